@@ -1,0 +1,50 @@
+"""FedAvg (McMahan et al. 2017): clients run local SGD from the global model; the server
+replaces it with the sample-weighted mean of the returned models."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from raysim.algorithm import Algorithm, Client, ClientResult, Server
+from raysim.registry import ALGORITHMS
+from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd
+
+
+@ALGORITHMS.register("fedavg")
+class FedAvg(Algorithm):
+    # ---- server ----
+    def setup(self, server: Server) -> None:
+        self.model = server.new_model()
+
+    def broadcast(self, rnd: int) -> dict:
+        return {"weights": cpu_state(self.model)}
+
+    def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
+        mean, losses = WeightedMean(), WeightedMean()
+        for r in results:
+            mean.add(r.update, r.num_samples)
+            losses.add({"loss": torch.tensor(r.metrics["loss"])}, r.num_samples)
+        new = mean.result(self.model.state_dict())
+        if new is not None:  # every client dropped out: keep the model
+            self.apply(new)
+        loss = losses.result({"loss": torch.tensor(0.0, dtype=torch.float64)})
+        return {"train_loss": float(loss["loss"])} if loss else {}
+
+    def apply(self, averaged: dict) -> None:
+        """Take the averaged weights as the new global model (FedAvgM overrides)."""
+        self.model.load_state_dict(averaged)
+
+    def eval_models(self) -> dict:
+        return {"global": self.model}
+
+    # ---- client ----
+    def local_loss(self, client: Client, payload: dict):
+        """The loss local SGD minimises; FedProx, MOON, FedRS, ... override this."""
+        return cross_entropy
+
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        model = client.model
+        model.load_state_dict(payload["weights"])
+        stats = local_sgd(client, model, self.local_loss(client, payload))
+        return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)

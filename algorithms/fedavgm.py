@@ -1,0 +1,48 @@
+"""FedAvgM (Hsu et al. 2019): server momentum on the averaged update.
+v <- beta * v + (w - w_avg);  w <- w - server_lr * v."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysim.config import ConfigError
+from raysim.registry import ALGORITHMS
+
+from algorithms.fedavg import FedAvg
+
+
+@dataclass
+class FedAvgMConfig:
+    beta: float = 0.9  # server momentum
+    server_lr: float = 1.0
+
+
+@ALGORITHMS.register("fedavgm")
+class FedAvgM(FedAvg):
+    Config = FedAvgMConfig
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        c = cfg.fedavgm
+        if not 0 <= c.beta < 1 or c.server_lr <= 0:
+            raise ConfigError(f"fedavgm.beta must be in [0, 1) and fedavgm.server_lr > 0, got {c.beta}, {c.server_lr}")
+
+    def setup(self, server) -> None:
+        super().setup(server)
+        self.velocity: dict[str, torch.Tensor] = {}
+
+    def apply(self, averaged: dict) -> None:
+        c = self.cfg.fedavgm
+        state = self.model.state_dict()
+        new = {}
+        for k, w in state.items():
+            if not w.is_floating_point():  # integer buffers are taken as averaged
+                new[k] = averaged[k]
+                continue
+            delta = w - averaged[k]
+            v = self.velocity.get(k)
+            v = delta if v is None else c.beta * v + delta
+            self.velocity[k] = v
+            new[k] = w - c.server_lr * v
+        self.model.load_state_dict(new)

@@ -1,0 +1,42 @@
+"""FedProx (Li et al. 2020): FedAvg whose local loss adds mu/2 * ||w - w_global||^2."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysim.algorithm import Client
+from raysim.config import ConfigError
+from raysim.registry import ALGORITHMS
+from raysim.training import cross_entropy
+
+from algorithms.fedavg import FedAvg
+
+
+@dataclass
+class FedProxConfig:
+    mu: float = 0.01
+
+
+def proximal_loss(mu: float, global_params: list[torch.Tensor]):
+    """cross-entropy + mu/2 * sum ||w - w_global||^2 over the trainable parameters."""
+    def loss(model, x, y):
+        prox = sum(((w - g) ** 2).sum() for w, g in zip(model.parameters(), global_params))
+        return cross_entropy(model, x, y) + 0.5 * mu * prox
+
+    return loss
+
+
+@ALGORITHMS.register("fedprox")
+class FedProx(FedAvg):
+    Config = FedProxConfig
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        if cfg.fedprox.mu < 0:
+            raise ConfigError(f"fedprox.mu must be >= 0, got {cfg.fedprox.mu}")
+
+    def local_loss(self, client: Client, payload: dict):
+        names = [n for n, _ in client.model.named_parameters()]
+        global_params = [payload["weights"][n].to(client.device) for n in names]
+        return proximal_loss(float(self.cfg.fedprox.mu), global_params)

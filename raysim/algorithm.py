@@ -1,0 +1,141 @@
+"""The plugin contract between the runtime and an algorithm.
+
+An algorithm is one class with a server half and a client half:
+
+- server half (runs in the driver actor): `setup(server)` once, then `run_round(rnd,
+  server)` each round. The default `run_round` is the FedAvg shape:
+  select -> `broadcast` -> `client_update` on each chosen client -> `aggregate`.
+  An algorithm with stages, several models or extra uploads overrides `run_round` (or
+  `setup`) and uses the same two runtime calls, `server.select_clients` and
+  `server.run_clients`.
+- client half (runs inside client actors): `client_update(client, payload)` and any other
+  method that `server.run_clients(..., method=NAME)` names. It sees one `Client`: that
+  client's data on the actor's device, its persistent `state` dict, and a generator seeded
+  from (seed, round, client id).
+
+A selection strategy (`Selection`) is a separate plugin so that any strategy composes with
+any algorithm (`selection=fedentopt algorithm=scaffold`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Protocol
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+
+@dataclass
+class ClientResult:
+    """What one client sends back: `update` is algorithm-defined (weights, deltas, extra
+    statistics); `num_samples` is its aggregation weight by default."""
+
+    cid: int
+    num_samples: int
+    update: Any = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Client:
+    """One simulated client as its client-side code sees it inside an actor."""
+
+    cid: int
+    round: int
+    cfg: DictConfig
+    x: torch.Tensor  # training inputs, on `device`
+    y: torch.Tensor  # training labels, on `device`
+    num_classes: int
+    device: torch.device
+    generator: torch.Generator  # seeded from (seed, round, cid): the only randomness to use
+    state: dict  # persists between the rounds this client takes part in
+    model: torch.nn.Module  # the actor's scratch instance of the configured model
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.y.shape[0])
+
+    def label_counts(self) -> np.ndarray:
+        return torch.bincount(self.y, minlength=self.num_classes).cpu().numpy()
+
+
+class Server(Protocol):
+    """What the runtime offers an algorithm's server half (implemented by the driver)."""
+
+    cfg: DictConfig
+    num_clients: int
+    num_classes: int
+
+    def new_model(self) -> torch.nn.Module: ...
+
+    def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]: ...
+
+    def run_clients(self, rnd: int, cids: list[int], payload: Any, method: str = "client_update",
+                    on: str = "algorithm") -> Iterator[ClientResult]: ...
+
+    def rng(self, rnd: int, stream: int = 0) -> np.random.Generator: ...
+
+
+class Algorithm:
+    """Base class. Subclasses set `Config` (a dataclass: their section of the config, under
+    their registered name) and override the hooks they need."""
+
+    Config: Optional[type] = None
+
+    def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
+        self.cfg = cfg
+        self.num_classes = num_classes
+        self.input_shape = input_shape
+
+    # ---- server half -------------------------------------------------------------
+    def setup(self, server: Server) -> None:
+        """Once before round 1: build the global state (models, buffers)."""
+
+    def run_round(self, rnd: int, server: Server) -> dict:
+        """One round; returns extra metrics to record. Default: the FedAvg shape."""
+        cids = server.select_clients(rnd)
+        results = server.run_clients(rnd, cids, self.broadcast(rnd))
+        return self.aggregate(rnd, results) or {}
+
+    def broadcast(self, rnd: int) -> Any:
+        """The payload every selected client receives (put in the object store once)."""
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> Optional[dict]:
+        """Fold client results, which arrive in client-id order, into the global state."""
+        raise NotImplementedError
+
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        """Models to evaluate on the global test set; the first one is 'the' accuracy."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Server state to save with the run (the final model)."""
+        return {name: m.state_dict() for name, m in self.eval_models().items()}
+
+    # ---- client half -------------------------------------------------------------
+    def client_update(self, client: Client, payload: Any) -> ClientResult:
+        raise NotImplementedError
+
+
+class Selection:
+    """A client-selection strategy. `setup` may gather client information once (e.g. label
+    counts via `server.run_clients(..., on="selection")`); `select` picks a cohort."""
+
+    Config: Optional[type] = None
+
+    def __init__(self, cfg: DictConfig, num_clients: int, num_classes: int):
+        self.cfg = cfg
+        self.num_clients = num_clients
+        self.num_classes = num_classes
+
+    def setup(self, server: Server) -> None:
+        pass
+
+    def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
+        raise NotImplementedError
+
+    def round_metrics(self) -> dict:
+        """Extra per-round metrics about the last selection (e.g. cohort entropy)."""
+        return {}

@@ -1,0 +1,252 @@
+"""Typed run configuration: OmegaConf structured configs, layering and validation.
+
+A config is `configs/default.yaml` < each `--config FILE` < `key=value` overrides, merged
+onto a typed schema so that an unknown key or a wrongly typed value is caught by name.
+Plugins (algorithms, selections, datasets) add their own section under their name, e.g.
+`fedprox.mu`, from the `Config` dataclass they declare. Every problem is raised as a
+`ConfigError` whose message is one line naming the key or file and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from raysim import registry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
+
+
+class ConfigError(Exception):
+    """A user-facing configuration or input problem; its message is one line."""
+
+
+@dataclass
+class PartitionConfig:
+    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | natural
+    beta: float = 0.5  # Dirichlet concentration (dirichlet: over labels, quantity: over sizes)
+    k: int = 2  # classes: labels per client (#C=k)
+    shards_per_client: int = 2  # shards: label-sorted shards per client
+    sigma: float = 2.0  # power_law: sigma of the log-normal client sizes
+    min_size: int = 1  # fewest training samples a client may hold
+    test_fraction: float = 0.0  # share of each client's samples kept as its local test set
+
+
+@dataclass
+class LocalConfig:
+    epochs: int = 1
+    steps: int = 0  # > 0: this many SGD steps instead of `epochs` epochs
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+    lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
+
+
+@dataclass
+class ResourcesConfig:
+    clients_per_actor: Any = "auto"  # "auto" (one actor per CPU share) or an int; 1 = actor per client
+    num_cpus_per_actor: float = 1.0
+    num_gpus_per_actor: float = 0.0
+    torch_threads: int = 1  # torch intra-op threads in each client actor
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: start a local Ray; "auto" or host:port: join a cluster
+    dashboard: bool = True
+    num_cpus: Optional[int] = None  # local Ray only: CPUs to offer (default: all)
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and drills: the actor training `crash_client` in round
+    `crash_round` exits its process (a real actor death)."""
+
+    crash_round: int = -1
+    crash_client: int = -1
+
+
+@dataclass
+class Config:
+    algorithm: str = "fedavg"
+    selection: str = "random"
+    dataset: str = "digits"
+    model: str = "mlp"
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    num_clients: int = 20
+    clients_per_round: Optional[int] = None  # overrides participation when set
+    participation: float = 0.5
+    rounds: int = 30
+    local: LocalConfig = field(default_factory=LocalConfig)
+    seed: int = 0
+    eval_every: int = 1
+    output_dir: str = "runs"
+    run_name: Optional[str] = None  # default: <algorithm>-<dataset>-<timestamp>
+    data_dir: str = "data"
+    download: bool = True
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+
+# Plugin kinds whose registered classes may declare a `Config` dataclass section.
+_PLUGIN_SECTIONS = (registry.ALGORITHMS, registry.SELECTIONS, registry.DATASETS)
+
+
+def schema() -> DictConfig:
+    """The full typed schema: the core `Config` plus one section per plugin with options."""
+    base = OmegaConf.structured(Config)
+    with open_dict(base):
+        for reg in _PLUGIN_SECTIONS:
+            for name in reg.names():
+                section = getattr(reg.get(name), "Config", None)
+                if section is not None and dataclasses.is_dataclass(section):
+                    base[name] = OmegaConf.structured(section)
+    OmegaConf.set_struct(base, True)
+    return base
+
+
+def _sugar(d: dict) -> dict:
+    """`partition: dirichlet` is short for `partition: {name: dirichlet}`."""
+    if isinstance(d.get("partition"), str):
+        d = dict(d, partition={"name": d["partition"]})
+    return d
+
+
+def _read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    return _sugar(data)
+
+
+def _parse_overrides(overrides: Iterable[str]) -> dict:
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has no key")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if key == "partition" and isinstance(value, str):
+            key = "partition.name"
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier one")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, data)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        if isinstance(e, ConfigKeyError):
+            parent = key.rsplit(".", 1)[0] if "." in key else None
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            allowed = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else ""
+            raise ConfigError(f"unknown config key {key!r} in {source}; allowed here: {allowed}") from None
+        raise ConfigError(f"bad value for config key {key!r} in {source}: {msg}") from None
+
+
+def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
+    """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
+    cfg = schema()
+    if use_default and DEFAULT_YAML.is_file():
+        cfg = _merge(cfg, _read_yaml(str(DEFAULT_YAML)), str(DEFAULT_YAML))
+    for f in config_files:
+        cfg = _merge(cfg, _read_yaml(f), f)
+    cfg = _merge(cfg, _parse_overrides(overrides), "the command-line overrides")
+    validate(cfg)
+    return cfg
+
+
+def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:
+    name = OmegaConf.select(cfg, key)
+    if name not in reg:
+        raise ConfigError(f"{key}={name!r} is not a known {reg.kind}; choose one of: {', '.join(reg.names())}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need no data: names exist, numbers are in range."""
+    _check_name(cfg, "algorithm", registry.ALGORITHMS)
+    _check_name(cfg, "selection", registry.SELECTIONS)
+    _check_name(cfg, "dataset", registry.DATASETS)
+    _check_name(cfg, "model", registry.MODELS)
+    _check_name(cfg, "partition.name", registry.PARTITIONS)
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
+    need(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
+    if cfg.clients_per_round is not None:
+        need(1 <= cfg.clients_per_round <= cfg.num_clients,
+             f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
+    need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    need(cfg.eval_every >= 1, f"eval_every must be >= 1, got {cfg.eval_every}")
+    p = cfg.partition
+    need(p.beta > 0, f"partition.beta must be > 0, got {p.beta}")
+    need(p.k >= 1, f"partition.k must be >= 1, got {p.k}")
+    need(p.shards_per_client >= 1, f"partition.shards_per_client must be >= 1, got {p.shards_per_client}")
+    need(p.sigma > 0, f"partition.sigma must be > 0, got {p.sigma}")
+    need(p.min_size >= 1, f"partition.min_size must be >= 1, got {p.min_size}")
+    need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
+    loc = cfg.local
+    need(loc.epochs >= 1 or loc.steps >= 1, "local.epochs or local.steps must be >= 1")
+    need(loc.steps >= 0, f"local.steps must be >= 0, got {loc.steps}")
+    need(loc.batch_size >= 1, f"local.batch_size must be >= 1, got {loc.batch_size}")
+    need(loc.lr > 0, f"local.lr must be > 0, got {loc.lr}")
+    need(0 <= loc.momentum < 1, f"local.momentum must be in [0, 1), got {loc.momentum}")
+    need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
+    need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
+    r = cfg.resources
+    cpa = r.clients_per_actor
+    need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),
+         f"resources.clients_per_actor must be 'auto' or an integer >= 1, got {cpa!r}")
+    need(r.num_cpus_per_actor >= 0, f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
+    need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
+    need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
+    for reg, key in ((registry.ALGORITHMS, "algorithm"), (registry.SELECTIONS, "selection"), (registry.DATASETS, "dataset")):
+        check = getattr(reg.get(cfg[key]), "validate_config", None)
+        if check is not None:
+            check(cfg)
+
+
+def clients_per_round(cfg: DictConfig) -> int:
+    if cfg.clients_per_round is not None:
+        return int(cfg.clients_per_round)
+    return max(1, int(round(cfg.participation * cfg.num_clients)))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

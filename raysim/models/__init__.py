@@ -1,0 +1,125 @@
+"""Model zoo. Every model is an `EncoderHead`: `encoder` maps inputs to a feature vector,
+`head` is the linear classifier on it, so algorithms that work on features (FedConcat,
+CReFF, FedRS, ...) can reach either part by name."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from raysim.registry import MODELS
+
+
+class EncoderHead(nn.Module):
+    def __init__(self, encoder: nn.Module, feature_dim: int, num_classes: int):
+        super().__init__()
+        self.encoder = encoder
+        self.feature_dim = feature_dim
+        self.head = nn.Linear(feature_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def _flat_dim(shape: tuple) -> int:
+    return int(math.prod(shape))
+
+
+@MODELS.register("mclr")
+def mclr(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """Multinomial logistic regression: the encoder only flattens."""
+    return EncoderHead(nn.Flatten(), _flat_dim(input_shape), num_classes)
+
+
+@MODELS.register("mlp")
+def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200)) -> EncoderHead:
+    """Two hidden ReLU layers of 200 (McMahan et al.'s MNIST 2NN)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    d = _flat_dim(input_shape)
+    for h in hidden:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    return EncoderHead(nn.Sequential(*layers), d, num_classes)
+
+
+def _conv_features(body: nn.Module, input_shape: tuple) -> int:
+    with torch.no_grad():
+        return int(body(torch.zeros(1, *input_shape)).numel())
+
+
+@MODELS.register("cnn")
+def cnn(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """NIID-Bench's simple CNN: conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84, ReLU, no padding."""
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+    )
+    d = _conv_features(body, input_shape)
+    enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
+    return EncoderHead(enc, 84, num_classes)
+
+
+@MODELS.register("lenet5")
+def lenet5(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """LeNet-5 in its classic geometry: inputs padded to 32x32 (28x28 MNIST gets padding 2),
+    conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling."""
+    pad = max(0, (32 - input_shape[-1]) // 2)
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 6, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+    )
+    d = _conv_features(body, input_shape)
+    enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
+    return EncoderHead(enc, 84, num_classes)
+
+
+@MODELS.register("vgg9")
+def vgg9(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """VGG-9 of FedMA / Fed2: six 3x3 convs (32, 64, pool, 128, 128, pool, 256, 256, pool),
+    then fc512-fc512 and the classifier; no batch norm."""
+    cfg = [32, 64, "M", 128, 128, "M", 256, 256, "M"]
+    layers: list[nn.Module] = []
+    c = input_shape[0]
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU()]
+            c = v
+    body = nn.Sequential(*layers, nn.Flatten())
+    d = _conv_features(body, input_shape)
+    enc = nn.Sequential(body, nn.Linear(d, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU())
+    return EncoderHead(enc, 512, num_classes)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+
+
+@MODELS.register("resnet8")
+def resnet8(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """ResNet-8 for CIFAR (as in CReFF / FedDF): conv3x3(16) then three stages of one basic
+    block (16, 32, 64 channels, strides 1, 2, 2), global average pooling; 64-d features."""
+    enc = nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        _BasicBlock(16, 16, 1), _BasicBlock(16, 32, 2), _BasicBlock(32, 64, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )
+    return EncoderHead(enc, 64, num_classes)
+
+
+def build_model(name: str, input_shape: tuple, num_classes: int) -> EncoderHead:
+    return MODELS.get(name)(tuple(input_shape), int(num_classes))

@@ -1,0 +1,69 @@
+"""Client actors: long-lived workers that run the client half of an algorithm for many
+simulated clients.
+
+An actor maps the dataset arrays from the object store once (zero-copy on the node; moved
+to its GPU once when it has one) and slices a client's shard from them when that client
+runs. Per-client state travels as an object-store reference owned by the driver, so any
+actor can run any client and the state outlives the actor that wrote it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from raysim.algorithm import Client
+from raysim.models import build_model
+from raysim.registry import ALGORITHMS, SELECTIONS
+from raysim.training import seed_for
+
+
+class ClientActor:
+    def __init__(self, cfg: dict, arrays: dict, train_index: list, num_classes: int):
+        self.cfg = OmegaConf.create(cfg)
+        torch.set_num_threads(int(self.cfg.resources.torch_threads))
+        gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
+        self.device = torch.device("cuda" if gpu else "cpu")
+        with warnings.catch_warnings():  # object-store arrays are read-only; we never write them
+            warnings.simplefilter("ignore", UserWarning)
+            self.x = torch.from_numpy(arrays["x_train"]).to(self.device)
+            self.y = torch.from_numpy(arrays["y_train"]).to(self.device)
+        self.train_index = train_index
+        self.num_classes = num_classes
+        shape = tuple(arrays["x_train"].shape[1:])
+        self.plugins = {
+            "algorithm": ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, shape),
+            "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
+        }
+        self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
+
+    def run(self, rnd: int, method: str, on: str, cids: list[int], payload, *states):
+        """Run `on.method(client, payload)` for each client in order. Returns the results,
+        then the clients' new states, as separate objects (see `Runtime.run_clients`)."""
+        fn = getattr(self.plugins[on], method)
+        f = self.cfg.faults
+        results, new_states = [], []
+        for cid, state in zip(cids, states):
+            if rnd == f.crash_round and cid == f.crash_client:
+                os._exit(1)  # injected fault: this worker process dies mid-round
+            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
+            seed = seed_for(int(self.cfg.seed), rnd, cid)
+            torch.manual_seed(seed)
+            client = Client(
+                cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
+                device=self.device, generator=torch.Generator().manual_seed(seed),
+                state=dict(state) if state else {}, model=self.model,
+            )
+            results.append(fn(client, payload))
+            new_states.append(client.state or None)
+        return tuple(results + new_states)
+
+    def device_info(self) -> dict:
+        info = {"device": str(self.device), "pid": os.getpid()}
+        if self.device.type == "cuda":
+            info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
+        return info

@@ -1,0 +1,45 @@
+"""How many client actors to start, and which actor runs which client this round.
+
+Any actor can run any client (the data is shared through the object store and client
+state travels by reference), so placement is only about balance: each round's cohort,
+sorted by client id, is cut into contiguous runs of roughly equal work, one per actor.
+With `clients_per_actor: 1` there is one actor per client and client i always runs on
+actor i (the literal one-process-per-client model). Results never depend on placement.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from omegaconf import DictConfig
+
+
+def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int:
+    n = int(cfg.num_clients)
+    r = cfg.resources
+    if r.clients_per_actor != "auto":
+        return math.ceil(n / int(r.clients_per_actor))
+    fits = []
+    if r.num_cpus_per_actor > 0:
+        fits.append(int(cluster_cpus // r.num_cpus_per_actor))
+    if r.num_gpus_per_actor > 0:
+        fits.append(int(cluster_gpus // r.num_gpus_per_actor))
+    return max(1, min([n, *fits]))
+
+
+def assign(cids: list[int], work: np.ndarray, n_actors: int, one_per_client: bool) -> list[tuple[int, list[int]]]:
+    """Split the sorted cohort `cids` into (actor index, client ids) runs of similar total
+    `work` (e.g. samples per client); contiguous so results can be folded in id order."""
+    cids = sorted(cids)
+    if one_per_client:
+        return [(c, [c]) for c in cids]
+    if not cids:
+        return []
+    w = np.asarray([work[c] for c in cids], dtype=np.float64)
+    bounds = np.cumsum(w) / w.sum() * min(n_actors, len(cids))
+    # client j goes to the chunk its cumulative work midpoint falls in
+    chunk = np.minimum(((bounds - w / w.sum() * min(n_actors, len(cids)) / 2)).astype(int), n_actors - 1)
+    out: dict[int, list[int]] = {}
+    for c, a in zip(cids, chunk):
+        out.setdefault(int(a), []).append(c)
+    return sorted(out.items())

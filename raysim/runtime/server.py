@@ -1,0 +1,157 @@
+"""The server driver: the one actor (`raysim-server`) that owns a run.
+
+It holds the algorithm's server half, the selection strategy, the client actors and the
+run directory, and implements the `Server` calls an algorithm uses:
+
+- `select_clients(rnd)`: the selection strategy, with an RNG from (seed, round);
+- `run_clients(rnd, cids, payload)`: puts the payload in the object store once, gives each
+  client actor one task with its contiguous run of the cohort, and yields the results in
+  client-id order as they are fetched one by one from the object store, so the driver
+  holds O(model) and the fold order never depends on which actor finishes first.
+  A task whose actor died is a dropout for its clients this round (recorded); Ray
+  restarts the actor, which maps its data again from the object store.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from raysim.algorithm import ClientResult
+from raysim.config import clients_per_round, to_yaml
+from raysim.models import build_model
+from raysim.registry import ALGORITHMS, SELECTIONS
+from raysim.results.writer import RunWriter, summarize
+from raysim.runtime import placement
+from raysim.runtime.client_actor import ClientActor
+from raysim.training import evaluate, nbytes
+
+
+class ServerDriver:
+    def __init__(self, cfg: dict, refs: list, sizes: list[int], num_classes: int, input_shape: tuple,
+                 run_dir: str, t_start: float):
+        """`refs` = [train arrays, train index per client, test arrays], wrapped in a list so
+        Ray hands the references (not the arrays) to this actor, which passes them on."""
+        self.cfg = OmegaConf.create(cfg)
+        self.t_start = t_start
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        train_ref, index_ref, test_ref = refs
+        test = ray.get(test_ref)
+        self.x_test, self.y_test = torch.from_numpy(test["x_test"].copy()), torch.from_numpy(test["y_test"].copy())
+        self.sizes = np.asarray(sizes)
+        self.num_clients = int(self.cfg.num_clients)
+        self.num_classes = num_classes
+        self.input_shape = tuple(input_shape)
+
+        res = self.cfg.resources
+        total = ray.cluster_resources()
+        self.n_actors = placement.num_actors(self.cfg, total.get("CPU", 1), total.get("GPU", 0))
+        self.one_per_client = res.clients_per_actor == 1
+        actor_cls = ray.remote(ClientActor).options(
+            num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
+            max_restarts=-1, max_task_retries=0,
+        )
+        self.actors = [actor_cls.remote(cfg, train_ref, index_ref, num_classes) for _ in range(self.n_actors)]
+
+        self.writer = RunWriter(Path(run_dir), to_yaml(self.cfg))
+        self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
+        self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
+        self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
+        self._round_records: list[dict] = []
+        self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
+        self._bytes = [0, 0]  # down, up
+        self.client_updates = 0
+        self.first_round_seconds: Optional[float] = None
+        self.selection.setup(self)
+        self.algorithm.setup(self)
+
+    # ------------------------------------------------------------------ Server API
+    def new_model(self) -> torch.nn.Module:
+        torch.manual_seed(int(self.cfg.seed))
+        return build_model(self.cfg.model, self.input_shape, self.num_classes)
+
+    def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
+        return np.random.default_rng([int(self.cfg.seed), rnd, stream])
+
+    def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
+        k = clients_per_round(self.cfg) if k is None else k
+        return sorted(self.selection.select(rnd, k, self.rng(rnd, 1)))
+
+    def run_clients(self, rnd: int, cids: list[int], payload: Any, method: str = "client_update",
+                    on: str = "algorithm") -> Iterator[ClientResult]:
+        """Submits every task now (so several cohorts can train at once) and returns an
+        iterator over the results in client-id order; dropped clients are skipped."""
+        cids = sorted(int(c) for c in cids)
+        payload_ref = ray.put(payload)
+        self._bytes[0] += nbytes(payload) * len(cids)
+        work = self.sizes * max(1, int(self.cfg.local.epochs))
+        calls = []
+        for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
+            states = [self._states.get(c) for c in chunk]
+            refs = self.actors[a].run.options(num_returns=2 * len(chunk)).remote(
+                rnd, method, on, chunk, payload_ref, *states)
+            calls.append((chunk, refs))
+        return self._collect(rnd, method, calls)
+
+    def _collect(self, rnd: int, method: str, calls: list) -> Iterator[ClientResult]:
+        for chunk, refs in calls:
+            try:
+                first = ray.get(refs[0])
+            except ray.exceptions.RayActorError as e:
+                for c in chunk:
+                    self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
+                                                "num_samples": int(self.sizes[c]), "loss": None})
+                self.writer.log(f"round {rnd}: actor died running clients {chunk}: {type(e).__name__}; dropped")
+                continue
+            for j, c in enumerate(chunk):
+                result = first if j == 0 else ray.get(refs[j])
+                self._states[c] = refs[len(chunk) + j]
+                self._bytes[1] += nbytes(result.update)
+                self.client_updates += 1
+                self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "ok",
+                                            "num_samples": int(result.num_samples),
+                                            "loss": result.metrics.get("loss")})
+                yield result
+
+    # ------------------------------------------------------------------ round loop
+    def step(self, rnd: int) -> dict:
+        """Run round `rnd` and, when due, evaluate; returns the round's metrics row."""
+        t0 = time.time()
+        self._round_records = []
+        extra = self.algorithm.run_round(rnd, self) or {}
+        row: dict = {"round": rnd}
+        if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
+            for i, (name, model) in enumerate(self.algorithm.eval_models().items()):
+                ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
+                prefix = "" if i == 0 else f"{name}_"
+                row.update({f"{prefix}{k}": v for k, v in ev.items()})
+        row.update(extra)
+        row.update(self.selection.round_metrics())
+        ok = [r for r in self._round_records if r["status"] == "ok"]
+        row.update({
+            "clients": len(self._round_records),
+            "dropped": len(self._round_records) - len(ok),
+            "bytes_down": self._bytes[0],
+            "bytes_up": self._bytes[1],
+            "seconds": time.time() - t0,
+            "elapsed": time.time() - self.t_start,
+        })
+        if self.first_round_seconds is None:
+            self.first_round_seconds = time.time() - self.t_start
+        self.writer.round(row, self._round_records)
+        return row
+
+    def finish(self, wall_seconds: float) -> dict:
+        summary = summarize(self.writer.rows, wall_seconds, self.client_updates, self.first_round_seconds or 0.0)
+        summary["run_dir"] = str(self.writer.dir)
+        self.writer.finish(summary, self.algorithm.state_dict())
+        return summary
+
+    def actor_info(self) -> list[dict]:
+        return ray.get([a.device_info.remote() for a in self.actors])

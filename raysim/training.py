@@ -1,0 +1,145 @@
+"""Local training, evaluation and weight averaging: the pieces algorithms share.
+
+Nothing here knows an algorithm: `local_sgd` takes the loss as a function, so FedProx,
+MOON, FedRS, ... change the loss, not the loop.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from raysim.algorithm import Client
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def round_lr(local: DictConfig, rnd: int) -> float:
+    return float(local.lr) * float(local.lr_decay) ** (rnd - 1)
+
+
+def _has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
+              epochs: Optional[int] = None, steps: Optional[int] = None) -> dict:
+    """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
+    decay, batch size; `steps` > 0 replaces epochs). Batches come from the client's
+    generator, so the result depends only on (seed, round, client id).
+    Returns {"loss": mean training loss, "steps": number of SGD steps}."""
+    loc = client.cfg.local
+    epochs = int(loc.epochs) if epochs is None else epochs
+    steps = int(loc.steps) if steps is None else steps
+    opt = torch.optim.SGD(model.parameters(), lr=round_lr(loc, client.round), momentum=float(loc.momentum),
+                          weight_decay=float(loc.weight_decay))
+    n, bs = client.num_samples, int(loc.batch_size)
+    skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one
+    model.train()
+    total, count, done = 0.0, 0, 0
+    while True:
+        perm = torch.randperm(n, generator=client.generator).to(client.x.device)
+        for start in range(0, n, bs):
+            idx = perm[start:start + bs]
+            if skip_single and len(idx) == 1:
+                continue
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, client.x[idx], client.y[idx])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+            done += 1
+            if steps and done >= steps:
+                return {"loss": total / max(count, 1), "steps": done}
+        epochs -= 1
+        if not steps and epochs <= 0:
+            return {"loss": total / max(count, 1), "steps": done}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+             batch_size: int = 1024) -> dict:
+    """Accuracy, mean cross-entropy and per-class accuracy of `model` on (x, y)."""
+    model.eval()
+    correct = torch.zeros(num_classes, dtype=torch.long)
+    seen = torch.zeros(num_classes, dtype=torch.long)
+    loss = 0.0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        out = model(xb)
+        loss += float(F.cross_entropy(out, yb, reduction="sum"))
+        hit = (out.argmax(1) == yb).cpu()
+        yb = yb.cpu()
+        correct += torch.bincount(yb[hit], minlength=num_classes)
+        seen += torch.bincount(yb, minlength=num_classes)
+    n = max(int(seen.sum()), 1)
+    per_class = (correct.double() / seen.clamp(min=1).double()).tolist()
+    return {"accuracy": float(correct.sum()) / n, "loss": loss / n, "per_class_accuracy": per_class}
+
+
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of the model's weights and buffers, for upload or broadcast."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+class WeightedMean:
+    """Running sample-weighted mean of state dicts, fed in a fixed order (client id), so the
+    sum is bit-for-bit reproducible. Holds one accumulator: O(model) memory.
+    Integer buffers (e.g. BatchNorm's num_batches_tracked) take the largest value."""
+
+    def __init__(self):
+        self.acc: Optional[dict[str, torch.Tensor]] = None
+        self.total = 0.0
+
+    def add(self, state: dict[str, torch.Tensor], weight: float) -> None:
+        if self.acc is None:
+            self.acc = {k: (v.double() * weight if v.is_floating_point() else v.clone()) for k, v in state.items()}
+        else:
+            for k, v in state.items():
+                if v.is_floating_point():
+                    self.acc[k] += v.double() * weight
+                else:
+                    self.acc[k] = torch.maximum(self.acc[k], v)
+        self.total += weight
+
+    def result(self, like: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+        """The mean, cast to the dtypes of `like`; None when nothing was added."""
+        if self.acc is None or self.total <= 0:
+            return None
+        return {k: (v / self.total).to(like[k].dtype) if like[k].is_floating_point() else v.to(like[k].dtype)
+                for k, v in self.acc.items()}
+
+
+def weighted_mean(states: Iterable[tuple[dict[str, torch.Tensor], float]]) -> Optional[dict[str, torch.Tensor]]:
+    """Sample-weighted mean of (state, weight) pairs, in the order given."""
+    acc, first = WeightedMean(), None
+    for state, w in states:
+        first = first or state
+        acc.add(state, w)
+    return acc.result(first) if first is not None else None
+
+
+def nbytes(obj) -> int:
+    """Bytes of the tensors and arrays inside a (nested) payload: communication accounting."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 0
+
+
+def seed_for(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys, e.g. (seed, round, client id)."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
