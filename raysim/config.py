@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -94,6 +94,7 @@ class Config:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
 
 
 # Plugin kinds whose registered classes may declare a `Config` dataclass section.
@@ -179,12 +180,15 @@ def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
 
 def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
     """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
+    layers = [(str(DEFAULT_YAML), _read_yaml(str(DEFAULT_YAML)))] if use_default and DEFAULT_YAML.is_file() else []
+    layers += [(f, _read_yaml(f)) for f in config_files]
+    layers.append(("the command-line overrides", _parse_overrides(overrides)))
+    for _, data in layers:  # plugin modules first: they add sections to the schema
+        plugins = data.get("plugins") or []
+        registry.import_modules(plugins if isinstance(plugins, list) else [plugins])
     cfg = schema()
-    if use_default and DEFAULT_YAML.is_file():
-        cfg = _merge(cfg, _read_yaml(str(DEFAULT_YAML)), str(DEFAULT_YAML))
-    for f in config_files:
-        cfg = _merge(cfg, _read_yaml(f), f)
-    cfg = _merge(cfg, _parse_overrides(overrides), "the command-line overrides")
+    for source, data in layers:
+        cfg = _merge(cfg, data, source)
     validate(cfg)
     return cfg
 

@@ -59,6 +59,17 @@ PLUGIN_MODULES = [
 _loaded = False
 
 
+def import_modules(names) -> None:
+    """Import user plugin modules (config key `plugins`), which register themselves."""
+    from raysim.config import ConfigError
+
+    for name in names:
+        try:
+            importlib.import_module(str(name))
+        except ImportError as e:
+            raise ConfigError(f"plugins: cannot import module {name!r}: {e}") from None
+
+
 def load_plugins() -> None:
     global _loaded
     if _loaded:

@@ -125,7 +125,7 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
 
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if args.list:
         print(list_plugins())
         return 0

@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 
 from raysim.algorithm import Client
 from raysim.models import build_model
-from raysim.registry import ALGORITHMS, SELECTIONS
+from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.training import seed_for
 
 
 class ClientActor:
     def __init__(self, cfg: dict, arrays: dict, train_index: list, num_classes: int):
         self.cfg = OmegaConf.create(cfg)
+        import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")

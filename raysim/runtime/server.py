@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from raysim.algorithm import ClientResult
 from raysim.config import clients_per_round, to_yaml
 from raysim.models import build_model
-from raysim.registry import ALGORITHMS, SELECTIONS
+from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import placement
 from raysim.runtime.client_actor import ClientActor
@@ -39,6 +39,7 @@ class ServerDriver:
         """`refs` = [train arrays, train index per client, test arrays], wrapped in a list so
         Ray hands the references (not the arrays) to this actor, which passes them on."""
         self.cfg = OmegaConf.create(cfg)
+        import_modules(self.cfg.plugins)
         self.t_start = t_start
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         train_ref, index_ref, test_ref = refs

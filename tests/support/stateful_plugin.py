@@ -1,0 +1,14 @@
+"""A test plugin: FedAvg whose clients count, in their persistent state, how many rounds
+they have taken part in, and report the count as their 'loss' (so it lands in
+clients.parquet). Loaded through the `plugins` config key, as a user's plugin would be."""
+from algorithms.fedavg import FedAvg
+from raysim.registry import ALGORITHMS
+
+
+@ALGORITHMS.register("test_state_counter")
+class StateCounter(FedAvg):
+    def client_update(self, client, payload):
+        result = super().client_update(client, payload)
+        client.state["count"] = client.state.get("count", 0) + 1
+        result.metrics["loss"] = float(client.state["count"])
+        return result

@@ -1,0 +1,118 @@
+"""Algorithms against their definitions (ALGORITHMS.md), on tensors small enough to check by hand."""
+import numpy as np
+import torch
+
+from algorithms.fedavg import FedAvg
+from algorithms.fedavgm import FedAvgM
+from algorithms.fedprox import FedProx, proximal_loss
+from raysim.algorithm import Client, ClientResult
+from raysim.config import load_config
+from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd
+
+
+class LinearServer:
+    """Just enough of the Server API for setup(): a fixed 2 -> 1 linear model."""
+
+    def new_model(self):
+        m = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            m.weight.copy_(torch.tensor([[1.0, 2.0]]))
+            m.bias.fill_(0.5)
+        return m
+
+
+def results(*pairs):
+    return iter([ClientResult(i, n, {"weight": torch.tensor([w]), "bias": torch.tensor([b])}, {"loss": 0.0})
+                 for i, (n, w, b) in enumerate(pairs)])
+
+
+def test_fedavg_is_the_sample_weighted_mean():
+    algo = FedAvg(load_config(), 1, (2,))
+    algo.setup(LinearServer())
+    algo.aggregate(1, results((10, [1.0, 0.0], 1.0), (30, [5.0, 4.0], -1.0)))
+    assert torch.allclose(algo.model.weight, torch.tensor([[4.0, 3.0]]))  # (10*1 + 30*5)/40, (0 + 30*4)/40
+    assert torch.allclose(algo.model.bias, torch.tensor([-0.5]))  # (10 - 30)/40
+
+
+def test_fedavg_keeps_the_model_when_every_client_dropped():
+    algo = FedAvg(load_config(), 1, (2,))
+    algo.setup(LinearServer())
+    before = cpu_state(algo.model)
+    algo.aggregate(1, iter([]))
+    assert all(torch.equal(before[k], v) for k, v in algo.model.state_dict().items())
+
+
+def test_weighted_mean_integer_buffers_take_the_max():
+    wm = WeightedMean()
+    wm.add({"f": torch.tensor([1.0]), "n": torch.tensor(3)}, 1)
+    wm.add({"f": torch.tensor([3.0]), "n": torch.tensor(5)}, 3)
+    out = wm.result({"f": torch.tensor([0.0]), "n": torch.tensor(0)})
+    assert out["f"].item() == 2.5 and out["n"].item() == 5 and out["n"].dtype == torch.int64
+
+
+def test_fedavgm_server_momentum():
+    cfg = load_config(overrides=["algorithm=fedavgm", "fedavgm.beta=0.5", "fedavgm.server_lr=1.0"])
+    algo = FedAvgM(cfg, 1, (2,))
+    algo.setup(LinearServer())
+    # round 1: average w = [0, 0]; delta = [1, 2]; v = delta; w = [1,2] - [1,2] = [0, 0]
+    algo.aggregate(1, results((1, [0.0, 0.0], 0.5)))
+    assert torch.allclose(algo.model.weight, torch.tensor([[0.0, 0.0]]))
+    # round 2: average w = [1, 1]; delta = [-1, -1]; v = 0.5*[1,2] + [-1,-1] = [-0.5, 0]; w = [0.5, 0]
+    algo.aggregate(2, results((1, [1.0, 1.0], 0.5)))
+    assert torch.allclose(algo.model.weight, torch.tensor([[0.5, 0.0]]))
+
+
+def make_client(cfg, model, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g)
+    y = (x[:, 0] > 0).long()
+    return Client(0, 1, cfg, x, y, 2, torch.device("cpu"), torch.Generator().manual_seed(seed), {}, model)
+
+
+def test_fedprox_loss_adds_the_proximal_term():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    global_params = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model.weight.add_(torch.tensor([[0.1, -0.2], [0.3, 0.0]]))
+        model.bias.add_(torch.tensor([0.4, 0.0]))
+    x, y = torch.randn(8, 2), torch.randint(0, 2, (8,))
+    mu = 0.7
+    expected = cross_entropy(model, x, y) + mu / 2 * (0.01 + 0.04 + 0.09 + 0.16)
+    assert torch.allclose(proximal_loss(mu, global_params)(model, x, y), expected)
+
+
+def test_fedprox_stays_closer_to_the_global_model():
+    def drift(mu):
+        cfg = load_config(overrides=["algorithm=fedprox", f"fedprox.mu={mu}", "local.epochs=5", "local.lr=0.1"])
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2)
+        start = cpu_state(model)
+        client = make_client(cfg, model)
+        res = FedProx(cfg, 2, (2,)).client_update(client, {"weights": start})
+        return sum(float(((res.update[k] - start[k]) ** 2).sum()) for k in start)
+
+    assert drift(1.0) < 0.5 * drift(0.0)
+    assert drift(0.0) > 0
+
+
+def test_local_sgd_is_a_function_of_the_seed():
+    cfg = load_config(overrides=["local.epochs=2", "local.batch_size=8"])
+
+    def train(seed):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(2, 2)
+        local_sgd(make_client(cfg, model, seed=seed), model)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(train(0), train(0))
+    assert not torch.equal(train(0), train(1))
+
+
+def test_local_sgd_steps_and_lr_decay():
+    cfg = load_config(overrides=["local.steps=3", "local.batch_size=4", "local.lr_decay=0.5"])
+    model = torch.nn.Linear(2, 2)
+    stats = local_sgd(make_client(cfg, model), model)
+    assert stats["steps"] == 3
+    from raysim.training import round_lr
+    assert round_lr(cfg.local, 3) == cfg.local.lr * 0.25

@@ -1,0 +1,90 @@
+"""Loaders read small files that the test writes in each dataset's own format."""
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+from raysim.config import ConfigError, load_config
+from raysim.data.datasets import load_dataset
+
+
+def write_idx(path, arr, gz=False):
+    """IDX format: magic (0, 0, dtype 0x08 = ubyte, ndim), big-endian dims, raw bytes."""
+    data = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
+    opener = gzip.open if gz else open
+    with opener(str(path) + (".gz" if gz else ""), "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("name,folder", [("mnist", "MNIST"), ("fmnist", "FashionMNIST")])
+def test_idx_loader(tmp_path, name, folder, gz):
+    raw = tmp_path / folder / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    xtr, ytr = rng.integers(0, 256, (50, 28, 28)), rng.integers(0, 10, 50)
+    xte, yte = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 10, 20)
+    write_idx(raw / "train-images-idx3-ubyte", xtr, gz)
+    write_idx(raw / "train-labels-idx1-ubyte", ytr, gz)
+    write_idx(raw / "t10k-images-idx3-ubyte", xte, gz)
+    write_idx(raw / "t10k-labels-idx1-ubyte", yte, gz)
+    d = load_dataset(load_config(overrides=[f"dataset={name}", f"data_dir={tmp_path}", "download=false"]))
+    assert d.x_train.shape == (50, 1, 28, 28) and d.x_test.shape == (20, 1, 28, 28)
+    assert d.x_train.dtype == np.float32
+    assert np.array_equal(d.y_train, ytr) and np.array_equal(d.y_test, yte)
+    # normalisation is monotone per pixel: the brightest input pixel stays the brightest
+    assert np.argmax(d.x_train[3].ravel()) == np.argmax(xtr[3].ravel())
+
+
+def write_cifar(folder, files, n, label_keys, rng):
+    folder.mkdir(parents=True)
+    truth = {}
+    for f in files:
+        entry = {"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8)}
+        for key, classes in label_keys.items():
+            entry[key] = rng.integers(0, classes, n).tolist()
+        truth[f] = entry
+        with open(folder / f, "wb") as fh:
+            pickle.dump(entry, fh)
+    return truth
+
+
+def test_cifar10_pickle_loader(tmp_path):
+    rng = np.random.default_rng(1)
+    files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    truth = write_cifar(tmp_path / "cifar-10-batches-py", files, 8, {"labels": 10}, rng)
+    d = load_dataset(load_config(overrides=["dataset=cifar10", f"data_dir={tmp_path}", "download=false"]))
+    assert d.x_train.shape == (40, 3, 32, 32) and d.x_test.shape == (8, 3, 32, 32)
+    assert d.y_train.tolist() == sum((truth[f]["labels"] for f in files[:5]), [])
+    # channel-first: the red plane is the first 1024 bytes of a CIFAR row
+    red = truth["test_batch"]["data"][0, :1024].reshape(32, 32)
+    assert np.argmax(d.x_test[0, 0].ravel()) == np.argmax(red.ravel())
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_cifar100_fine_and_coarse(tmp_path, coarse):
+    rng = np.random.default_rng(2)
+    truth = write_cifar(tmp_path / "cifar-100-python", ["train", "test"], 12,
+                        {"fine_labels": 100, "coarse_labels": 20}, rng)
+    d = load_dataset(load_config(overrides=["dataset=cifar100", f"cifar100.coarse={coarse}",
+                                            f"data_dir={tmp_path}", "download=false"]))
+    key = "coarse_labels" if coarse else "fine_labels"
+    assert d.y_train.tolist() == truth["train"][key] and d.y_test.tolist() == truth["test"][key]
+    assert d.num_classes == (20 if coarse else 100)
+
+
+def test_missing_files_name_the_folder(tmp_path):
+    with pytest.raises(ConfigError, match=r"MNIST/raw.*train-images-idx3-ubyte"):
+        load_dataset(load_config(overrides=["dataset=mnist", f"data_dir={tmp_path}", "download=false"]))
+
+
+def test_synthetic_natural_users():
+    cfg = load_config(overrides=["dataset=synthetic", "partition=natural", "num_clients=7", "synthetic.samples_per_client=50"])
+    d = load_dataset(cfg)
+    assert d.x_train.shape == (7 * 40, 60) and d.x_test.shape == (7 * 10, 60)
+    assert np.bincount(d.users_train).tolist() == [40] * 7
+    assert set(np.unique(d.y_train)) <= set(range(10))
+    again = load_dataset(cfg)
+    assert np.array_equal(d.x_train, again.x_train)

@@ -1,0 +1,73 @@
+"""Partitions: every sample once, #C=k exact, reproducible, guarded against empty clients."""
+import numpy as np
+import pytest
+
+from raysim.config import ConfigError, load_config
+from raysim.data.partition import label_counts, label_table, make_partition
+
+rng = np.random.default_rng(123)
+Y = rng.integers(0, 10, 3000)
+
+
+def part(**kw):
+    overrides = [f"{k}={v}" for k, v in kw.items()]
+    return make_partition(Y, load_config(overrides=overrides), 10)
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes"])
+def test_every_sample_exactly_once(name):
+    p = part(partition=name, num_clients=30)
+    allidx = np.concatenate(p.train)
+    assert len(p.train) == 30
+    assert len(allidx) == len(Y)
+    assert np.array_equal(np.sort(allidx), np.arange(len(Y)))
+    assert min(len(ix) for ix in p.train) >= 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_classes_gives_exactly_k_labels(k):
+    p = part(**{"partition": "classes", "partition.k": k, "num_clients": 40})
+    counts = label_counts(Y, p, 10)
+    assert ((counts > 0).sum(1) == k).all()
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes"])
+def test_reproducible_from_seed(name):
+    a, b = part(partition=name, seed=3), part(partition=name, seed=3)
+    c = part(partition=name, seed=4)
+    assert all(np.array_equal(x, y) for x, y in zip(a.train, b.train))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.train, c.train))
+
+
+def test_dirichlet_skew_grows_as_beta_shrinks():
+    def mean_entropy(beta):
+        c = label_counts(Y, part(**{"partition.beta": beta}), 10).astype(float)
+        p = c / c.sum(1, keepdims=True)
+        return float(-(p * np.log(np.where(p > 0, p, 1))).sum(1).mean())
+
+    assert mean_entropy(0.1) < mean_entropy(1.0) < mean_entropy(100.0)
+
+
+def test_local_test_split_is_disjoint_and_sized():
+    p = part(**{"partition": "iid", "partition.test_fraction": 0.25})
+    for tr, te in zip(p.train, p.test):
+        assert not set(tr) & set(te)
+        assert abs(len(te) - 0.25 * (len(tr) + len(te))) <= 1
+    assert len(np.concatenate(p.train + p.test)) == len(Y)
+
+
+def test_empty_client_is_refused():
+    with pytest.raises(ConfigError, match="partition.min_size"):
+        part(**{"partition": "classes", "partition.k": 1, "num_clients": 2000, "partition.min_size": 2})
+
+
+def test_more_clients_than_samples():
+    with pytest.raises(ConfigError, match="more than the 3000 training samples"):
+        part(num_clients=5000)
+
+
+def test_label_table_totals():
+    p = part(num_clients=5)
+    table = label_table(Y, p, 10)
+    last = table.splitlines()[-1].split()
+    assert last[0] == "all" and int(last[-1]) == len(Y)
