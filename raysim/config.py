@@ -60,7 +60,7 @@ class ResourcesConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = None  # None: start a local Ray; "auto" or host:port: join a cluster
-    dashboard: bool = True
+    dashboard: bool = False  # local Ray only: start the dashboard (costs ~1 GB RSS and ~1 s)
     num_cpus: Optional[int] = None  # local Ray only: CPUs to offer (default: all)
 
 

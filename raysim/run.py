@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -98,12 +97,13 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
         ray.put(part.train),
         ray.put({"x_test": data.x_test, "y_test": data.y_test}),
     ]
+    input_shape, sizes = data.input_shape, part.sizes().tolist()
+    data.x_train = data.x_test = None  # the object store holds them now; free this process's copy
     here = ray.get_runtime_context().get_node_id()
     driver = ray.remote(ServerDriver).options(
         name="raysim-server", num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),  # writes the run dir here
-    ).remote(OmegaConf.to_container(cfg), refs, part.sizes().tolist(), n_classes, data.input_shape,
-             str(run_dir.resolve()), t_start)
+    ).remote(OmegaConf.to_container(cfg), refs, sizes, n_classes, input_shape, str(run_dir.resolve()), t_start)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -123,8 +123,9 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
         ray.kill(driver)
 
 
-def main(argv: list[str] | None = None) -> int:
-    t_start = time.time()
+def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
+    """CLI entry. `t_start` is when timing starts (the process start under `python -m`)."""
+    t_start = t_start or time.time()
     args = _parser().parse_intermixed_args(argv)
     if args.list:
         print(list_plugins())
@@ -166,5 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    sys.exit(main())
+    import psutil
+
+    sys.exit(main(t_start=psutil.Process().create_time()))

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from raysim.algorithm import Client
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
+from raysim.runtime.wire import pack, unpack
 from raysim.training import seed_for
 
 
@@ -41,11 +42,20 @@ class ClientActor:
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One throw-away forward/backward pass: torch's first one costs ~1 s of lazy set-up,
+        which should land in actor start-up (overlapping the driver's), not in round 1."""
+        out = self.model(self.x[:2])
+        out.sum().backward()
+        self.model.zero_grad(set_to_none=True)
 
     def run(self, rnd: int, method: str, on: str, cids: list[int], payload, *states):
         """Run `on.method(client, payload)` for each client in order. Returns the results,
         then the clients' new states, as separate objects (see `Runtime.run_clients`)."""
         fn = getattr(self.plugins[on], method)
+        payload = unpack(payload)
         f = self.cfg.faults
         results, new_states = [], []
         for cid, state in zip(cids, states):
@@ -53,14 +63,16 @@ class ClientActor:
                 os._exit(1)  # injected fault: this worker process dies mid-round
             idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
             seed = seed_for(int(self.cfg.seed), rnd, cid)
-            torch.manual_seed(seed)
+            torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
             client = Client(
                 cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
                 device=self.device, generator=torch.Generator().manual_seed(seed),
-                state=dict(state) if state else {}, model=self.model,
+                state=unpack(state) if state else {}, model=self.model,
             )
-            results.append(fn(client, payload))
-            new_states.append(client.state or None)
+            results.append(pack(fn(client, payload)))
+            new_states.append(pack(client.state) if client.state else None)
         return tuple(results + new_states)
 
     def device_info(self) -> dict:

@@ -30,7 +30,11 @@ from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import placement
 from raysim.runtime.client_actor import ClientActor
+from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
+
+
+FETCH_BYTES = 64 * 2**20
 
 
 class ServerDriver:
@@ -89,7 +93,7 @@ class ServerDriver:
         """Submits every task now (so several cohorts can train at once) and returns an
         iterator over the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
-        payload_ref = ray.put(payload)
+        payload_ref = ray.put(pack(payload))
         self._bytes[0] += nbytes(payload) * len(cids)
         work = self.sizes * max(1, int(self.cfg.local.epochs))
         calls = []
@@ -98,12 +102,15 @@ class ServerDriver:
             refs = self.actors[a].run.options(num_returns=2 * len(chunk)).remote(
                 rnd, method, on, chunk, payload_ref, *states)
             calls.append((chunk, refs))
-        return self._collect(rnd, method, calls)
+        # Fetch results in batches of about FETCH_BYTES (sized by the payload, which is
+        # about the size of an update): one call for many small updates, one each for big ones.
+        batch = max(1, int(FETCH_BYTES // max(nbytes(payload), 1)))
+        return self._collect(rnd, method, calls, batch)
 
-    def _collect(self, rnd: int, method: str, calls: list) -> Iterator[ClientResult]:
+    def _collect(self, rnd: int, method: str, calls: list, batch: int) -> Iterator[ClientResult]:
         for chunk, refs in calls:
             try:
-                first = ray.get(refs[0])
+                got = ray.get(refs[:min(batch, len(chunk))])
             except ray.exceptions.RayActorError as e:
                 for c in chunk:
                     self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
@@ -111,7 +118,9 @@ class ServerDriver:
                 self.writer.log(f"round {rnd}: actor died running clients {chunk}: {type(e).__name__}; dropped")
                 continue
             for j, c in enumerate(chunk):
-                result = first if j == 0 else ray.get(refs[j])
+                if j and j % batch == 0:
+                    got = ray.get(refs[j:min(j + batch, len(chunk))])
+                result = unpack(got[j % batch])
                 self._states[c] = refs[len(chunk) + j]
                 self._bytes[1] += nbytes(result.update)
                 self.client_updates += 1

@@ -1,0 +1,66 @@
+"""Bad input through the real CLI: one clear line on stderr, exit code != 0, nothing written."""
+import subprocess
+import sys
+
+import pytest
+
+CASES = [
+    (["dataset=nope"], "dataset='nope' is not a known dataset; choose one of: cifar10"),
+    (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: fedavg"),
+    (["model=transformer"], "model='transformer' is not a known model"),
+    (["partition=zipf"], "partition.name='zipf' is not a known partition"),
+    (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
+    (["participation=0"], "participation must be in (0, 1], got 0"),
+    (["partition.beta=0"], "partition.beta must be > 0"),
+    (["partition=classes", "partition.k=11"], "partition.k=11 is more than the dataset's 10 classes"),
+    (["num_clients=5000"], "num_clients=5000 is more than the 1437 training samples"),
+    (["no_such_key=1"], "unknown config key 'no_such_key'"),
+    (["local.lrr=0.1"], "unknown config key 'local.lrr'"),
+    (["rounds=many"], "bad value for config key 'rounds'"),
+    (["model=cnn"], "model='cnn' does not fit dataset 'digits'"),
+    (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
+    (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
+]
+
+
+def cli(args, cwd):
+    return subprocess.run([sys.executable, "-m", "raysim.run", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_gives_one_clear_line(tmp_path, args, message):
+    r = cli([*args, f"output_dir={tmp_path / 'runs'}"], tmp_path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()  # nothing half-written
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 5\nlocal:\n  lr: [0.1\n")
+    r = cli(["--config", str(bad)], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and f"malformed YAML in {bad}" in r.stderr and "line" in r.stderr
+
+
+def test_missing_config_file(tmp_path):
+    r = cli(["--config", "nope.yaml"], tmp_path)
+    assert r.returncode == 2 and "config file 'nope.yaml' not found" in r.stderr
+
+
+def test_print_config_and_list(tmp_path):
+    r = cli(["--print-config", "algorithm=fedprox", "fedprox.mu=0.1", "partition=classes"], tmp_path)
+    assert r.returncode == 0
+    assert "algorithm: fedprox" in r.stdout and "mu: 0.1" in r.stdout and "name: classes" in r.stdout
+    r = cli(["--list"], tmp_path)
+    assert r.returncode == 0 and "fedavgm" in r.stdout and "resnet8" in r.stdout and "power_law" in r.stdout
+
+
+def test_show_partition_table(tmp_path):
+    r = cli(["--show-partition", "partition=classes", "partition.k=2", "num_clients=10"], tmp_path)
+    assert r.returncode == 0
+    rows = [l.split() for l in r.stdout.splitlines()[1:11]]
+    assert all(sum(1 for v in row[1:11] if v != "0") == 2 for row in rows)
