@@ -66,6 +66,7 @@ def sequential(name: str) -> dict:
     from raysim.config import clients_per_round, load_config
     from raysim.models import build_model
     from raysim.run import prepare
+    from raysim.training import SGD  # the same optimizer raysim's clients use (see README)
 
     cfg = load_config(overrides=overrides(name))
     data, part, n_classes = prepare(cfg)
@@ -82,7 +83,7 @@ def sequential(name: str) -> dict:
         acc, total = None, 0
         for cid in chosen:
             model.load_state_dict(glob)
-            opt = torch.optim.SGD(model.parameters(), lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay)
+            opt = SGD(model.parameters(), lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay)
             xc, yc = x[shards[cid]], y[shards[cid]]
             g = torch.Generator().manual_seed(rnd * 100003 + cid)
             model.train()

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from raysim.config import ConfigError, clients_per_round, load_config, to_yaml
@@ -89,6 +90,7 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from omegaconf import OmegaConf
 
+    from raysim.runtime.client_actor import start_client_actors
     from raysim.runtime.server import ServerDriver
 
     run_dir = _run_dir(cfg)
@@ -99,11 +101,14 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
     ]
     input_shape, sizes = data.input_shape, part.sizes().tolist()
     data.x_train = data.x_test = None  # the object store holds them now; free this process's copy
+    # The client actors start here, alongside the driver rather than after it: each needs
+    # ~1.5 s to import torch, and on a small machine that chain is most of the start-up.
+    actors = start_client_actors(cfg, refs[0], refs[1], n_classes)
     here = ray.get_runtime_context().get_node_id()
     driver = ray.remote(ServerDriver).options(
         name="raysim-server", num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),  # writes the run dir here
-    ).remote(OmegaConf.to_container(cfg), refs, sizes, n_classes, input_shape, str(run_dir.resolve()), t_start)
+    ).remote(OmegaConf.to_container(cfg), actors, refs[2], sizes, n_classes, input_shape, str(run_dir.resolve()), t_start)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -135,10 +140,10 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
-        data, part, n_classes = prepare(cfg)
         if args.show_partition:
             from raysim.data.partition import label_table
 
+            data, part, n_classes = prepare(cfg)
             print(label_table(data.y_train, part, n_classes))
             return 0
         _run_dir(cfg)  # fail before starting Ray if it exists
@@ -148,7 +153,23 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
     import ray
 
-    started = start_ray(cfg)
+    # Loading and partitioning the data (CPU work) overlaps Ray's start-up (mostly waiting
+    # for its processes); a data problem still stops the run before anything is written.
+    with ThreadPoolExecutor(1) as pool:
+        prepared = pool.submit(prepare, cfg)
+        try:
+            started = start_ray(cfg)
+        except ConnectionError as e:
+            prepared.cancel()
+            print(f"error: ray.address={cfg.ray.address!r}: cannot connect: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+        try:
+            data, part, n_classes = prepared.result()
+        except ConfigError as e:
+            if started:
+                ray.shutdown()
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         print(f"raysim: {cfg.algorithm} on {cfg.dataset} ({cfg.partition.name}), {cfg.num_clients} clients, "
               f"{clients_per_round(cfg)} per round, {cfg.rounds} rounds", file=sys.stderr)

@@ -116,3 +116,22 @@ def test_local_sgd_steps_and_lr_decay():
     assert stats["steps"] == 3
     from raysim.training import round_lr
     assert round_lr(cfg.local, 3) == cfg.local.lr * 0.25
+
+
+def test_sgd_matches_torch_optim_sgd_exactly():
+    from raysim.training import SGD
+
+    def train(opt_cls):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+        opt = opt_cls(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            cross_entropy(model, x, y).backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(SGD), train(torch.optim.SGD)):
+        assert torch.equal(a, b)

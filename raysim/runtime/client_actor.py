@@ -80,3 +80,19 @@ class ClientActor:
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
+
+
+def start_client_actors(cfg, train_ref, index_ref, num_classes: int) -> list:
+    """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
+    share and GPU fraction, restarted by Ray if its process dies."""
+    from raysim.runtime.placement import num_actors
+
+    res = cfg.resources
+    total = ray.cluster_resources()
+    n = num_actors(cfg, total.get("CPU", 1), total.get("GPU", 0))
+    cls = ray.remote(ClientActor).options(
+        num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
+        max_restarts=-1, max_task_retries=0,
+    )
+    plain = OmegaConf.to_container(cfg)
+    return [cls.remote(plain, train_ref, index_ref, num_classes) for _ in range(n)]

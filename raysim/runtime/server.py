@@ -29,7 +29,6 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import placement
-from raysim.runtime.client_actor import ClientActor
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
 
@@ -38,37 +37,30 @@ FETCH_BYTES = 64 * 2**20
 
 
 class ServerDriver:
-    def __init__(self, cfg: dict, refs: list, sizes: list[int], num_classes: int, input_shape: tuple,
-                 run_dir: str, t_start: float):
-        """`refs` = [train arrays, train index per client, test arrays], wrapped in a list so
-        Ray hands the references (not the arrays) to this actor, which passes them on."""
+    def __init__(self, cfg: dict, actors: list, test: dict, sizes: list[int], num_classes: int,
+                 input_shape: tuple, run_dir: str, t_start: float):
+        """`actors`: the client actors (`start_client_actors`); `test`: the global test arrays;
+        `sizes`: training samples per client."""
         self.cfg = OmegaConf.create(cfg)
         import_modules(self.cfg.plugins)
         self.t_start = t_start
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        train_ref, index_ref, test_ref = refs
-        test = ray.get(test_ref)
         self.x_test, self.y_test = torch.from_numpy(test["x_test"].copy()), torch.from_numpy(test["y_test"].copy())
         self.sizes = np.asarray(sizes)
         self.num_clients = int(self.cfg.num_clients)
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
 
-        res = self.cfg.resources
-        total = ray.cluster_resources()
-        self.n_actors = placement.num_actors(self.cfg, total.get("CPU", 1), total.get("GPU", 0))
-        self.one_per_client = res.clients_per_actor == 1
-        actor_cls = ray.remote(ClientActor).options(
-            num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
-            max_restarts=-1, max_task_retries=0,
-        )
-        self.actors = [actor_cls.remote(cfg, train_ref, index_ref, num_classes) for _ in range(self.n_actors)]
+        self.actors = actors
+        self.n_actors = len(actors)
+        self.one_per_client = self.cfg.resources.clients_per_actor == 1
 
         self.writer = RunWriter(Path(run_dir), to_yaml(self.cfg))
         self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
         self._round_records: list[dict] = []
+        self._restarting: set[int] = set()  # actors that died and are being restarted
         self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
         self._bytes = [0, 0]  # down, up
         self.client_updates = 0
@@ -97,21 +89,23 @@ class ServerDriver:
         self._bytes[0] += nbytes(payload) * len(cids)
         work = self.sizes * max(1, int(self.cfg.local.epochs))
         calls = []
+        self._await_restarts()
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
             states = [self._states.get(c) for c in chunk]
             refs = self.actors[a].run.options(num_returns=2 * len(chunk)).remote(
                 rnd, method, on, chunk, payload_ref, *states)
-            calls.append((chunk, refs))
+            calls.append((a, chunk, refs))
         # Fetch results in batches of about FETCH_BYTES (sized by the payload, which is
         # about the size of an update): one call for many small updates, one each for big ones.
         batch = max(1, int(FETCH_BYTES // max(nbytes(payload), 1)))
         return self._collect(rnd, method, calls, batch)
 
     def _collect(self, rnd: int, method: str, calls: list, batch: int) -> Iterator[ClientResult]:
-        for chunk, refs in calls:
+        for a, chunk, refs in calls:
             try:
                 got = ray.get(refs[:min(batch, len(chunk))])
             except ray.exceptions.RayActorError as e:
+                self._restarting.add(a)
                 for c in chunk:
                     self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
                                                 "num_samples": int(self.sizes[c]), "loss": None})
@@ -128,6 +122,20 @@ class ServerDriver:
                                             "num_samples": int(result.num_samples),
                                             "loss": result.metrics.get("loss")})
                 yield result
+
+    def _await_restarts(self, timeout: float = 120.0) -> None:
+        """Wait for actors that died to come back (Ray restarts them) before giving them
+        work again; one that stays down keeps dropping its clients."""
+        for a in sorted(self._restarting):
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                try:
+                    ray.get(self.actors[a].device_info.remote(), timeout=max(0.1, deadline - time.time()))
+                    self._restarting.discard(a)
+                    self.writer.log(f"client actor {a} is back")
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    time.sleep(0.2)
 
     # ------------------------------------------------------------------ round loop
     def step(self, rnd: int) -> dict:
