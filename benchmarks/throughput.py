@@ -99,12 +99,12 @@ def sequential(name: str) -> dict:
             acc = {kk: v.double() * n for kk, v in sd.items()} if acc is None else {kk: acc[kk] + sd[kk].double() * n for kk in acc}
             total += n
         glob = {kk: (v / total).to(glob[kk].dtype) for kk, v in acc.items()}
+        times.append(time.time() - t0)  # training only; raysim's "seconds" leaves out evaluation too
         if rnd == int(cfg.rounds):
             model.load_state_dict(glob)
             model.eval()
             with torch.no_grad():
                 accuracy = float((model(torch.from_numpy(data.x_test)).argmax(1) == torch.from_numpy(data.y_test)).float().mean())
-        times.append(time.time() - t0)
         if t_round1 is None:
             t_round1 = time.time() - t_start
     return {"round_seconds": times, "seconds_to_end_of_round_1": t_round1, "clients_per_round": k, "accuracy": accuracy}
@@ -172,7 +172,14 @@ def measure(name: str) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"sequential run failed:\n{r.stderr[-3000:]}")
     res["sequential"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0], peak_pss=peak[1])
-    for side in res.values():
+    if not name.startswith("mclr-"):
+        # Control: two sequential loops at once. How much they slow each other (shared
+        # caches, memory bandwidth, clocks) bounds what any 2-worker runtime can reach.
+        seq_cmd = [sys.executable, str(Path(__file__).resolve()), "--sequential", name]
+        procs = [subprocess.Popen(seq_cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        pair = [statistics.median(json.loads(p.communicate()[0].strip().splitlines()[-1])["round_seconds"][1:]) for p in procs]
+        res["ceiling"] = 2 * statistics.median(res["sequential"]["round_seconds"][1:]) / statistics.mean(pair)
+    for side in (res["raysim"], res["sequential"]):
         after_first = side["round_seconds"][1:] or side["round_seconds"]
         side["median_round_seconds"] = statistics.median(after_first)
         side["client_updates_per_second"] = side["clients_per_round"] / side["median_round_seconds"]
@@ -194,6 +201,8 @@ def report(name: str, res: dict) -> str:
         a, b = r[f"peak_{key}"], s[f"peak_{key}"]
         lines.append(f"{f'peak summed {key.upper()} (MB)':<34}{a / 2**20:>12.0f}{b / 2**20:>12.0f}{a / b:>9.2f}x")
     lines.append(f"{'final accuracy':<34}{r['accuracy']:>12.4f}{s['accuracy']:>12.4f}")
+    if "ceiling" in res:
+        lines.append(f"{'2-worker ceiling (2 loops at once)':<34}{'':>24}{res['ceiling']:>9.2f}x")
     lines.append("(speed ratios: >1 means raysim is faster; start and memory ratios: raysim / sequential)")
     return "\n".join(lines)
 

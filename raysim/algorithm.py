@@ -82,6 +82,7 @@ class Algorithm:
     their registered name) and override the hooks they need."""
 
     Config: Optional[type] = None
+    client_state = False  # True: clients keep `client.state` between rounds (SCAFFOLD's c_i, ...)
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg
@@ -124,6 +125,7 @@ class Selection:
     counts via `server.run_clients(..., on="selection")`); `select` picks a cohort."""
 
     Config: Optional[type] = None
+    client_state = False
 
     def __init__(self, cfg: DictConfig, num_clients: int, num_classes: int):
         self.cfg = cfg

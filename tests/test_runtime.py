@@ -43,6 +43,15 @@ def test_same_model_with_one_or_three_actors(ray_local, tmp_path, algorithm):
     assert s1["final_accuracy"] == s3["final_accuracy"]
 
 
+def test_one_actor_per_client_gives_the_same_model(ray_local, tmp_path):
+    common = ["num_clients=4", "participation=0.5", "resources.num_cpus_per_actor=0.5"]
+    d1, _ = run(tmp_path, "packed", *common, "resources.clients_per_actor=4")
+    d4, _ = run(tmp_path, "literal", *common, "resources.clients_per_actor=1")
+    assert "4 client actors" in (d4 / "log.txt").read_text()
+    m1, m4 = torch.load(d1 / "model.pt"), torch.load(d4 / "model.pt")
+    assert all(torch.equal(m1["global"][k], m4["global"][k]) for k in m1["global"])
+
+
 def test_killed_actor_is_a_dropout_and_the_run_finishes(ray_local, tmp_path):
     d, s = run(tmp_path, "crash", "participation=1.0", "rounds=4", "resources.clients_per_actor=4",
                "faults.crash_round=2", "faults.crash_client=5")

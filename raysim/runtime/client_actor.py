@@ -52,9 +52,13 @@ class ClientActor:
         self.model.zero_grad(set_to_none=True)
 
     def run(self, rnd: int, method: str, on: str, cids: list[int], payload, *states):
-        """Run `on.method(client, payload)` for each client in order. Returns the results,
-        then the clients' new states, as separate objects (see `Runtime.run_clients`)."""
-        fn = getattr(self.plugins[on], method)
+        """Run `on.method(client, payload)` for each client in order. Returns the results
+        and, for a plugin with `client_state = True`, then the clients' new states, each
+        as its own object (see `ServerDriver.run_clients`)."""
+        plugin = self.plugins[on]
+        stateful = bool(getattr(plugin, "client_state", False))
+        states = states if stateful else [None] * len(cids)
+        fn = getattr(plugin, method)
         payload = unpack(payload)
         f = self.cfg.faults
         results, new_states = [], []
@@ -72,8 +76,13 @@ class ClientActor:
                 state=unpack(state) if state else {}, model=self.model,
             )
             results.append(pack(fn(client, payload)))
-            new_states.append(pack(client.state) if client.state else None)
-        return tuple(results + new_states)
+            if stateful:
+                new_states.append(pack(client.state) if client.state else None)
+            elif client.state:
+                raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
+                                   "client_state = True, so the state would be lost")
+        out = tuple(results + new_states)
+        return out if len(out) > 1 else out[0]
 
     def device_info(self) -> dict:
         info = {"device": str(self.device), "pid": os.getpid()}

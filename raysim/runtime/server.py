@@ -34,6 +34,7 @@ from raysim.training import evaluate, nbytes
 
 
 FETCH_BYTES = 64 * 2**20
+INLINE_BYTES = 64 * 2**10
 
 
 class ServerDriver:
@@ -59,6 +60,7 @@ class ServerDriver:
         self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
+        self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
         self._round_records: list[dict] = []
         self._restarting: set[int] = set()  # actors that died and are being restarted
         self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
@@ -85,19 +87,24 @@ class ServerDriver:
         """Submits every task now (so several cohorts can train at once) and returns an
         iterator over the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
-        payload_ref = ray.put(pack(payload))
-        self._bytes[0] += nbytes(payload) * len(cids)
+        size = nbytes(payload)
+        self._bytes[0] += size * len(cids)
+        # A big payload goes to the object store once and every task gets the reference;
+        # a small one is cheaper inlined in each task (Ray inlines arguments under 100 KB).
+        payload_arg = ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
+        stateful = bool(getattr(self.plugins[on], "client_state", False))
         work = self.sizes * max(1, int(self.cfg.local.epochs))
         calls = []
         self._await_restarts()
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
-            states = [self._states.get(c) for c in chunk]
-            refs = self.actors[a].run.options(num_returns=2 * len(chunk)).remote(
-                rnd, method, on, chunk, payload_ref, *states)
+            states = [self._states.get(c) for c in chunk] if stateful else []
+            n_returns = (2 if stateful else 1) * len(chunk)
+            refs = self.actors[a].run.options(num_returns=n_returns).remote(rnd, method, on, chunk, payload_arg, *states)
+            refs = [refs] if n_returns == 1 else refs
             calls.append((a, chunk, refs))
         # Fetch results in batches of about FETCH_BYTES (sized by the payload, which is
         # about the size of an update): one call for many small updates, one each for big ones.
-        batch = max(1, int(FETCH_BYTES // max(nbytes(payload), 1)))
+        batch = max(1, int(FETCH_BYTES // max(size, 1)))
         return self._collect(rnd, method, calls, batch)
 
     def _collect(self, rnd: int, method: str, calls: list, batch: int) -> Iterator[ClientResult]:
@@ -115,7 +122,8 @@ class ServerDriver:
                 if j and j % batch == 0:
                     got = ray.get(refs[j:min(j + batch, len(chunk))])
                 result = unpack(got[j % batch])
-                self._states[c] = refs[len(chunk) + j]
+                if len(refs) > len(chunk):
+                    self._states[c] = refs[len(chunk) + j]
                 self._bytes[1] += nbytes(result.update)
                 self.client_updates += 1
                 self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "ok",
@@ -143,6 +151,7 @@ class ServerDriver:
         t0 = time.time()
         self._round_records = []
         extra = self.algorithm.run_round(rnd, self) or {}
+        t_train = time.time() - t0
         row: dict = {"round": rnd}
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
             for i, (name, model) in enumerate(self.algorithm.eval_models().items()):
@@ -157,7 +166,8 @@ class ServerDriver:
             "dropped": len(self._round_records) - len(ok),
             "bytes_down": self._bytes[0],
             "bytes_up": self._bytes[1],
-            "seconds": time.time() - t0,
+            "seconds": t_train,  # the round's training, without evaluation
+            "eval_seconds": time.time() - t0 - t_train,
             "elapsed": time.time() - self.t_start,
         })
         if self.first_round_seconds is None:

@@ -7,6 +7,8 @@ from raysim.registry import ALGORITHMS
 
 @ALGORITHMS.register("test_state_counter")
 class StateCounter(FedAvg):
+    client_state = True
+
     def client_update(self, client, payload):
         result = super().client_update(client, payload)
         client.state["count"] = client.state.get("count", 0) + 1
