@@ -64,3 +64,14 @@ def test_show_partition_table(tmp_path):
     assert r.returncode == 0
     rows = [l.split() for l in r.stdout.splitlines()[1:11]]
     assert all(sum(1 for v in row[1:11] if v != "0") == 2 for row in rows)
+
+
+def test_every_shipped_config_file_loads():
+    from pathlib import Path
+
+    from raysim.config import load_config
+
+    files = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
+    assert len(files) > 10
+    for f in files:
+        load_config([str(f)])  # raises ConfigError on a bad key or value

@@ -8,7 +8,9 @@ actor can run any client and the state outlives the actor that wrote it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -24,7 +26,10 @@ from raysim.training import seed_for
 
 
 class ClientActor:
-    def __init__(self, cfg: dict, arrays: dict, train_index: list, num_classes: int):
+    def __init__(self, cfg: dict, data_refs: list, num_classes: int):
+        """`data_refs` = [train arrays, per-client train indices], as object-store references
+        (inside a list, so Ray passes the references): on a restart the actor maps them again."""
+        arrays, train_index = ray.get(data_refs)
         self.cfg = OmegaConf.create(cfg)
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
@@ -104,4 +109,21 @@ def start_client_actors(cfg, train_ref, index_ref, num_classes: int) -> list:
         max_restarts=-1, max_task_retries=0,
     )
     plain = OmegaConf.to_container(cfg)
-    return [cls.remote(plain, train_ref, index_ref, num_classes) for _ in range(n)]
+    with _quiet_stderr():  # Ray warns that restarts need the data refs alive: they stay alive all run
+        return [cls.remote(plain, [train_ref, index_ref], num_classes) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence this process's stderr at the file-descriptor level (Ray's C++ core logs
+    there), for the duration of one call that we know warns needlessly."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
