@@ -65,7 +65,7 @@ def sequential(name: str) -> dict:
     torch.set_num_threads(1)
     from raysim.config import clients_per_round, load_config
     from raysim.models import build_model
-    from raysim.run import prepare
+    from raysim.experiment import prepare
     from raysim.training import SGD  # the same optimizer raysim's clients use (see README)
 
     cfg = load_config(overrides=overrides(name))

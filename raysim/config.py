@@ -178,11 +178,21 @@ def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
         raise ConfigError(f"bad value for config key {key!r} in {source}: {msg}") from None
 
 
-def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
-    """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
+Layers = list  # [(source name, plain dict)], lowest priority first
+
+
+def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:
+    """Read default.yaml, the given files and the overrides into plain dicts, without the
+    schema (so without importing any plugin, torch included): the CLI process stays light."""
     layers = [(str(DEFAULT_YAML), _read_yaml(str(DEFAULT_YAML)))] if use_default and DEFAULT_YAML.is_file() else []
     layers += [(f, _read_yaml(f)) for f in config_files]
     layers.append(("the command-line overrides", _parse_overrides(overrides)))
+    return layers
+
+
+def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
+    """Merge the layers onto the full schema and validate. Relative `data_dir` and
+    `output_dir` are taken relative to `cwd` (the CLI's directory) when given."""
     for _, data in layers:  # plugin modules first: they add sections to the schema
         plugins = data.get("plugins") or []
         registry.import_modules(plugins if isinstance(plugins, list) else [plugins])
@@ -190,6 +200,31 @@ def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (),
     for source, data in layers:
         cfg = _merge(cfg, data, source)
     validate(cfg)
+    if cwd is not None:
+        for key in ("data_dir", "output_dir"):
+            cfg[key] = str(Path(cwd, cfg[key]))
+    return cfg
+
+
+def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
+    """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
+    return resolve(read_layers(config_files, overrides, use_default))
+
+
+def ray_section(layers: Layers) -> DictConfig:
+    """Just the `ray` section, typed and checked, without importing plugins: what the CLI
+    needs to start or join Ray before the driver resolves the rest."""
+    cfg = OmegaConf.structured(RayConfig)
+    for source, data in layers:
+        section = data.get("ray")
+        if section is not None:
+            if not isinstance(section, dict):
+                raise ConfigError(f"config key 'ray' in {source} must be a mapping")
+            try:
+                cfg = OmegaConf.merge(cfg, section)
+            except OmegaConfBaseException as e:
+                key = getattr(e, "full_key", None) or "?"
+                raise ConfigError(f"bad config key or value 'ray.{key}' in {source}: {str(e).splitlines()[0]}") from None
     return cfg
 
 

@@ -1,19 +1,19 @@
-"""`python -m raysim.run`: config -> data and partition -> Ray -> server driver -> results.
+"""`python -m raysim.run`: the command-line entry point.
 
-Everything that can be wrong with the input (config keys and values, names, data files,
-a partition that leaves a client empty, a model that does not fit the data) is checked
-here, before Ray starts and before the run directory exists, and reported as one line.
+The CLI process stays light (no torch, no plugins): it reads the config layers, starts or
+joins Ray, starts the driver actor, streams progress and prints where the results are.
+The driver resolves and checks the config, loads and partitions the data and only then
+writes anything; every input problem comes back as one line and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from raysim.config import ConfigError, clients_per_round, load_config, to_yaml
+from raysim.config import ConfigError, read_layers, ray_section
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,81 +41,41 @@ def list_plugins() -> str:
     return "\n".join(lines)
 
 
-def prepare(cfg):
-    """Load the dataset, partition it and check the model fits: all before Ray starts."""
-    import torch
-
-    from raysim.data.datasets import load_dataset, num_classes
-    from raysim.data.partition import make_partition
-    from raysim.models import build_model
-
-    data = load_dataset(cfg)
-    n_classes = num_classes(cfg)
-    part = make_partition(data.y_train, cfg, n_classes, data.users_train)
-    try:
-        model = build_model(cfg.model, data.input_shape, n_classes)
-        with torch.no_grad():
-            model.eval()(torch.zeros(2, *data.input_shape))
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"model={cfg.model!r} does not fit dataset {cfg.dataset!r} with inputs "
-                          f"{data.input_shape}: {str(e).splitlines()[0]}") from None
-    return data, part, n_classes
-
-
-def _run_dir(cfg) -> Path:
-    name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.output_dir) / name
-    if run_dir.exists():
-        raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
-    return run_dir
-
-
-def start_ray(cfg) -> bool:
+def start_ray(ray_cfg) -> bool:
     """Connect to `ray.address`, or start a local Ray. Returns True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
     kw = dict(logging_level=logging.ERROR, log_to_driver=False)
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **kw)
+    if ray_cfg.address:
+        ray.init(address=ray_cfg.address, **kw)
         return False
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=bool(cfg.ray.dashboard), **kw)
+    ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard), **kw)
     return True
 
 
-def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) -> dict:
-    """Start the server driver on this node, run every round, return the summary."""
+def launch(layers: list, t_start: float, progress: bool = True) -> dict:
+    """Start the driver actor on this node (it writes the run directory here), run every
+    round, return the summary."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from omegaconf import OmegaConf
 
-    from raysim.runtime.client_actor import start_client_actors
-    from raysim.runtime.server import ServerDriver
+    from raysim.runtime.driver import ServerDriver
 
-    run_dir = _run_dir(cfg)
-    refs = [
-        ray.put({"x_train": data.x_train, "y_train": data.y_train}),
-        ray.put(part.train),
-        ray.put({"x_test": data.x_test, "y_test": data.y_test}),
-    ]
-    input_shape, sizes = data.input_shape, part.sizes().tolist()
-    data.x_train = data.x_test = None  # the object store holds them now; free this process's copy
-    # The client actors start here, alongside the driver rather than after it: each needs
-    # ~1.5 s to import torch, and on a small machine that chain is most of the start-up.
-    actors = start_client_actors(cfg, refs[0], refs[1], n_classes)
     here = ray.get_runtime_context().get_node_id()
-    driver = ray.remote(ServerDriver).options(
-        name="raysim-server", num_cpus=0, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),  # writes the run dir here
-    ).remote(OmegaConf.to_container(cfg), actors, refs[2], sizes, n_classes, input_shape, str(run_dir.resolve()), t_start)
+    driver = ServerDriver.options(
+        name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    ).remote(t_start)
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=int(cfg.rounds), desc=f"{cfg.algorithm} on {cfg.dataset}", unit="round", dynamic_ncols=True)
     try:
-        for rnd in range(1, int(cfg.rounds) + 1):
+        info = ray.get(driver.setup.remote(layers, os.getcwd()))
+        print(f"raysim: {info['banner']}", file=sys.stderr)
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
+        for rnd in range(1, info["rounds"] + 1):
             row = ray.get(driver.step.remote(rnd))
             if bar is not None:
                 if row.get("accuracy") is not None:
@@ -128,6 +88,22 @@ def launch(cfg, data, part, n_classes, t_start: float, progress: bool = True) ->
         ray.kill(driver)
 
 
+def _local(args) -> int:
+    """--print-config / --show-partition: resolved here, no Ray."""
+    from raysim.config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+    else:
+        from raysim.data.partition import label_table
+        from raysim.experiment import prepare
+
+        data, part, n_classes = prepare(cfg)
+        print(label_table(data.y_train, part, n_classes))
+    return 0
+
+
 def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     """CLI entry. `t_start` is when timing starts (the process start under `python -m`)."""
     t_start = t_start or time.time()
@@ -136,46 +112,25 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         print(list_plugins())
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return 0
-        if args.show_partition:
-            from raysim.data.partition import label_table
-
-            data, part, n_classes = prepare(cfg)
-            print(label_table(data.y_train, part, n_classes))
-            return 0
-        _run_dir(cfg)  # fail before starting Ray if it exists
+        if args.print_config or args.show_partition:
+            return _local(args)
+        layers = read_layers(args.config, args.overrides)
+        ray_cfg = ray_section(layers)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     import ray
 
-    # Loading and partitioning the data (CPU work) overlaps Ray's start-up (mostly waiting
-    # for its processes); a data problem still stops the run before anything is written.
-    with ThreadPoolExecutor(1) as pool:
-        prepared = pool.submit(prepare, cfg)
-        try:
-            started = start_ray(cfg)
-        except ConnectionError as e:
-            prepared.cancel()
-            print(f"error: ray.address={cfg.ray.address!r}: cannot connect: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 2
-        try:
-            data, part, n_classes = prepared.result()
-        except ConfigError as e:
-            if started:
-                ray.shutdown()
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     try:
-        print(f"raysim: {cfg.algorithm} on {cfg.dataset} ({cfg.partition.name}), {cfg.num_clients} clients, "
-              f"{clients_per_round(cfg)} per round, {cfg.rounds} rounds", file=sys.stderr)
-        summary = launch(cfg, data, part, n_classes, t_start, progress=not args.quiet)
-    except ConfigError as e:  # raised inside the driver (e.g. by an algorithm's setup)
-        print(f"error: {e}", file=sys.stderr)
+        started = start_ray(ray_cfg)
+    except ConnectionError as e:
+        print(f"error: ray.address={ray_cfg.address!r}: cannot connect: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    try:
+        summary = launch(layers, t_start, progress=not args.quiet)
+    except ConfigError as e:  # raised by the driver while resolving and checking the input
+        print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)  # the message, not Ray's traceback
         return 2
     finally:
         if started:

@@ -1,5 +1,4 @@
 """Algorithms against their definitions (ALGORITHMS.md), on tensors small enough to check by hand."""
-import numpy as np
 import torch
 
 from algorithms.fedavg import FedAvg

@@ -8,9 +8,7 @@ actor can run any client and the state outlives the actor that wrote it.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import warnings
 
 import numpy as np
@@ -109,21 +107,5 @@ def start_client_actors(cfg, train_ref, index_ref, num_classes: int) -> list:
         max_restarts=-1, max_task_retries=0,
     )
     plain = OmegaConf.to_container(cfg)
-    with _quiet_stderr():  # Ray warns that restarts need the data refs alive: they stay alive all run
-        return [cls.remote(plain, [train_ref, index_ref], num_classes) for _ in range(n)]
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence this process's stderr at the file-descriptor level (Ray's C++ core logs
-    there), for the duration of one call that we know warns needlessly."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    # Ray warns that a restart needs these references alive: the driver holds them all run.
+    return [cls.remote(plain, [train_ref, index_ref], num_classes) for _ in range(n)]

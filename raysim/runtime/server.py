@@ -1,4 +1,4 @@
-"""The server driver: the one actor (`raysim-server`) that owns a run.
+"""The server: what the driver actor (`raysim-server`, see driver.py) runs. It owns a run.
 
 It holds the algorithm's server half, the selection strategy, the client actors and the
 run directory, and implements the `Server` calls an algorithm uses:
@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import ray
 import torch
-from omegaconf import OmegaConf
 
 from raysim.algorithm import ClientResult
-from raysim.config import clients_per_round, to_yaml
+from raysim.config import clients_per_round, resolve, to_yaml
+from raysim.experiment import prepare, run_dir_for
 from raysim.models import build_model
-from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
+from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import placement
+from raysim.runtime.client_actor import start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
 
@@ -37,26 +37,31 @@ FETCH_BYTES = 64 * 2**20
 INLINE_BYTES = 64 * 2**10
 
 
-class ServerDriver:
-    def __init__(self, cfg: dict, actors: list, test: dict, sizes: list[int], num_classes: int,
-                 input_shape: tuple, run_dir: str, t_start: float):
-        """`actors`: the client actors (`start_client_actors`); `test`: the global test arrays;
-        `sizes`: training samples per client."""
-        self.cfg = OmegaConf.create(cfg)
-        import_modules(self.cfg.plugins)
+class FederatedServer:
+    def __init__(self, t_start: float):
         self.t_start = t_start
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        self.x_test, self.y_test = torch.from_numpy(test["x_test"].copy()), torch.from_numpy(test["y_test"].copy())
-        self.sizes = np.asarray(sizes)
+
+    def setup(self, layers: list, cwd: str) -> dict:
+        """Resolve the config, load and partition the data, check everything, and only then
+        put the data in the object store, start the client actors and create the run
+        directory. Input problems raise `ConfigError` before anything is written."""
+        self.cfg = resolve(layers, cwd)
+        data, part, num_classes = prepare(self.cfg)
+        run_dir = run_dir_for(self.cfg)
+
+        self.data_refs = [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)]
+        self.actors = start_client_actors(self.cfg, *self.data_refs, num_classes)
+        self.x_test, self.y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
+        self.sizes = part.sizes()
         self.num_clients = int(self.cfg.num_clients)
         self.num_classes = num_classes
-        self.input_shape = tuple(input_shape)
-
-        self.actors = actors
-        self.n_actors = len(actors)
+        self.input_shape = data.input_shape
+        del data  # the object store has the training arrays now
+        self.n_actors = len(self.actors)
         self.one_per_client = self.cfg.resources.clients_per_actor == 1
 
-        self.writer = RunWriter(Path(run_dir), to_yaml(self.cfg))
+        self.writer = RunWriter(run_dir, to_yaml(self.cfg))
         self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
@@ -69,6 +74,10 @@ class ServerDriver:
         self.first_round_seconds: Optional[float] = None
         self.selection.setup(self)
         self.algorithm.setup(self)
+        return {"rounds": int(self.cfg.rounds), "run_dir": str(run_dir),
+                "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
+                          f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
+                          f"{self.cfg.rounds} rounds, {self.n_actors} client actors"}
 
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:

@@ -1,0 +1,38 @@
+"""From a resolved config to what a run needs, with every data-dependent check done
+before anything is written: the dataset, its partition, the model's fit, the run dir."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from raysim.config import ConfigError
+from raysim.data.datasets import FederatedData, load_dataset, num_classes
+from raysim.data.partition import Partition, make_partition
+from raysim.models import build_model
+
+
+def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
+    """Load the dataset, partition it and check that the model accepts its inputs."""
+    data = load_dataset(cfg)
+    n_classes = num_classes(cfg)
+    part = make_partition(data.y_train, cfg, n_classes, data.users_train)
+    try:
+        model = build_model(cfg.model, data.input_shape, n_classes)
+        with torch.no_grad():
+            model.eval()(torch.zeros(2, *data.input_shape))
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"model={cfg.model!r} does not fit dataset {cfg.dataset!r} with inputs "
+                          f"{data.input_shape}: {str(e).splitlines()[0]}") from None
+    return data, part, n_classes
+
+
+def run_dir_for(cfg: DictConfig) -> Path:
+    """`output_dir/run_name` (default name: algorithm-dataset-timestamp); must not exist."""
+    name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.output_dir) / name
+    if run_dir.exists():
+        raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
+    return run_dir

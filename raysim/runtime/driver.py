@@ -1,0 +1,29 @@
+"""The named driver actor, `raysim-server`, as the CLI sees it.
+
+A thin shell so that the CLI process never imports torch or any plugin: the actor
+process imports `raysim.runtime.server` (and with it torch) when it starts, and every
+call is handed to the `FederatedServer` there.
+"""
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ServerDriver:
+    def __init__(self, t_start: float):
+        from raysim.runtime.server import FederatedServer
+
+        self.server = FederatedServer(t_start)
+
+    def setup(self, layers: list, cwd: str) -> dict:
+        return self.server.setup(layers, cwd)
+
+    def step(self, rnd: int) -> dict:
+        return self.server.step(rnd)
+
+    def finish(self, wall_seconds: float) -> dict:
+        return self.server.finish(wall_seconds)
+
+    def actor_info(self) -> list:
+        return self.server.actor_info()
