@@ -1,9 +1,9 @@
 """Client actors: long-lived workers that run the client half of an algorithm for many
 simulated clients.
 
-An actor maps the dataset arrays from the object store once (zero-copy on the node; moved
-to its GPU once when it has one) and slices a client's shard from them when that client
-runs. Per-client state travels as an object-store reference owned by the driver, so any
+An actor starts while the driver is still loading the data, then maps the dataset arrays
+from the object store on its first call (zero-copy on the node; moved to its GPU once when
+it has one) and slices a client's shard from them when that client runs. Per-client state travels as an object-store reference owned by the driver, so any
 actor can run any client and the state outlives the actor that wrote it.
 """
 from __future__ import annotations
@@ -24,15 +24,22 @@ from raysim.training import seed_for
 
 
 class ClientActor:
-    def __init__(self, cfg: dict, data_refs: list, num_classes: int):
-        """`data_refs` = [train arrays, per-client train indices], as object-store references
-        (inside a list, so Ray passes the references): on a restart the actor maps them again."""
-        arrays, train_index = ray.get(data_refs)
+    def __init__(self, cfg: dict):
+        """Starts before the data exists (the driver loads it meanwhile): imports torch and
+        the plugins and warms torch up; the data is attached on the first `run`."""
         self.cfg = OmegaConf.create(cfg)
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
+        self.x = None
+        _warm_up(self.device)
+
+    def _attach(self, data_refs: list, num_classes: int) -> None:
+        """Map the training arrays (zero-copy from the object store; copied once to the GPU
+        when the actor has one) and build the plugins and the scratch model. Runs on the
+        first call, and again on the first call after Ray restarted this actor."""
+        arrays, train_index = ray.get(data_refs)
         with warnings.catch_warnings():  # object-store arrays are read-only; we never write them
             warnings.simplefilter("ignore", UserWarning)
             self.x = torch.from_numpy(arrays["x_train"]).to(self.device)
@@ -45,19 +52,15 @@ class ClientActor:
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
-        self._warm_up()
 
-    def _warm_up(self) -> None:
-        """One throw-away forward/backward pass: torch's first one costs ~1 s of lazy set-up,
-        which should land in actor start-up (overlapping the driver's), not in round 1."""
-        out = self.model(self.x[:2])
-        out.sum().backward()
-        self.model.zero_grad(set_to_none=True)
-
-    def run(self, rnd: int, method: str, on: str, cids: list[int], payload, *states):
+    def run(self, data: tuple, rnd: int, method: str, on: str, cids: list[int], payload, *states):
         """Run `on.method(client, payload)` for each client in order. Returns the results
         and, for a plugin with `client_state = True`, then the clients' new states, each
-        as its own object (see `ServerDriver.run_clients`)."""
+        as its own object (see `FederatedServer.run_clients`). `data` = ([train arrays ref,
+        train index ref], num_classes): the references travel with every call, so an actor
+        that Ray restarted attaches its data again by itself."""
+        if self.x is None:
+            self._attach(*data)
         plugin = self.plugins[on]
         stateful = bool(getattr(plugin, "client_state", False))
         states = states if stateful else [None] * len(cids)
@@ -94,7 +97,15 @@ class ClientActor:
         return info
 
 
-def start_client_actors(cfg, train_ref, index_ref, num_classes: int) -> list:
+def _warm_up(device: torch.device) -> None:
+    """Throw-away forward/backward passes: torch's first ones cost ~1 s of lazy set-up,
+    which belongs in actor start-up (overlapping the driver's data loading), not round 1."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 2)).to(device)
+    out = net(torch.zeros(2, 1, 4, 4, device=device))
+    torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()
+
+
+def start_client_actors(cfg) -> list:
     """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
     share and GPU fraction, restarted by Ray if its process dies."""
     from raysim.runtime.placement import num_actors
@@ -107,5 +118,4 @@ def start_client_actors(cfg, train_ref, index_ref, num_classes: int) -> list:
         max_restarts=-1, max_task_retries=0,
     )
     plain = OmegaConf.to_container(cfg)
-    # Ray warns that a restart needs these references alive: the driver holds them all run.
-    return [cls.remote(plain, [train_ref, index_ref], num_classes) for _ in range(n)]
+    return [cls.remote(plain) for _ in range(n)]

@@ -22,7 +22,7 @@ import ray
 import torch
 
 from raysim.algorithm import ClientResult
-from raysim.config import clients_per_round, resolve, to_yaml
+from raysim.config import ConfigError, clients_per_round, resolve, to_yaml
 from raysim.experiment import prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
@@ -47,12 +47,18 @@ class FederatedServer:
         put the data in the object store, start the client actors and create the run
         directory. Input problems raise `ConfigError` before anything is written."""
         self.cfg = resolve(layers, cwd)
-        data, part, num_classes = prepare(self.cfg)
-        run_dir = run_dir_for(self.cfg)
-
-        self.data_refs = [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)]
-        self.actors = start_client_actors(self.cfg, *self.data_refs, num_classes)
-        self.x_test, self.y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
+        run_dir_for(self.cfg)
+        # The client actors start now, while the data loads: each needs ~1.5 s for torch.
+        self.actors = start_client_actors(self.cfg)
+        try:
+            data, part, num_classes = prepare(self.cfg)
+            run_dir = run_dir_for(self.cfg)
+        except ConfigError:
+            for a in self.actors:
+                ray.kill(a)
+            raise
+        self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)], num_classes)
+        self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.sizes = part.sizes()
         self.num_clients = int(self.cfg.num_clients)
         self.num_classes = num_classes
@@ -108,7 +114,8 @@ class FederatedServer:
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
             states = [self._states.get(c) for c in chunk] if stateful else []
             n_returns = (2 if stateful else 1) * len(chunk)
-            refs = self.actors[a].run.options(num_returns=n_returns).remote(rnd, method, on, chunk, payload_arg, *states)
+            refs = self.actors[a].run.options(num_returns=n_returns).remote(
+                self.shared_data, rnd, method, on, chunk, payload_arg, *states)
             refs = [refs] if n_returns == 1 else refs
             calls.append((a, chunk, refs))
         # Fetch results in batches of about FETCH_BYTES (sized by the payload, which is
