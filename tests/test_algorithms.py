@@ -1,4 +1,5 @@
 """Algorithms against their definitions (ALGORITHMS.md), on tensors small enough to check by hand."""
+import numpy as np
 import torch
 
 from algorithms.fedavg import FedAvg
@@ -134,3 +135,15 @@ def test_sgd_matches_torch_optim_sgd_exactly():
 
     for a, b in zip(train(SGD), train(torch.optim.SGD)):
         assert torch.equal(a, b)
+
+
+def test_wire_round_trip_keeps_tensors_and_arrays_apart():
+    import pickle
+
+    from raysim.runtime.wire import pack, unpack
+
+    r = ClientResult(3, 10, {"w": torch.arange(6.0).reshape(2, 3), "counts": np.array([1, 2])}, {"loss": 0.5})
+    back = unpack(pickle.loads(pickle.dumps(pack(r))))
+    assert isinstance(back.update["w"], torch.Tensor) and torch.equal(back.update["w"], r.update["w"])
+    assert isinstance(back.update["counts"], np.ndarray)
+    assert back.cid == 3 and back.metrics == {"loss": 0.5}

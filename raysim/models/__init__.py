@@ -48,30 +48,27 @@ def _conv_features(body: nn.Module, input_shape: tuple) -> int:
         return int(body(torch.zeros(1, *input_shape)).numel())
 
 
-@MODELS.register("cnn")
-def cnn(input_shape: tuple, num_classes: int) -> EncoderHead:
-    """NIID-Bench's simple CNN: conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84, ReLU, no padding."""
+def _lenet_style(input_shape: tuple, num_classes: int, padding: int) -> EncoderHead:
+    """conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling."""
     body = nn.Sequential(
-        nn.Conv2d(input_shape[0], 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(input_shape[0], 6, 5, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
     )
     d = _conv_features(body, input_shape)
     enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
     return EncoderHead(enc, 84, num_classes)
+
+
+@MODELS.register("cnn")
+def cnn(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """NIID-Bench's simple CNN (also FedConcat's): the LeNet layers without padding."""
+    return _lenet_style(input_shape, num_classes, padding=0)
 
 
 @MODELS.register("lenet5")
 def lenet5(input_shape: tuple, num_classes: int) -> EncoderHead:
-    """LeNet-5 in its classic geometry: inputs padded to 32x32 (28x28 MNIST gets padding 2),
-    conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling."""
-    pad = max(0, (32 - input_shape[-1]) // 2)
-    body = nn.Sequential(
-        nn.Conv2d(input_shape[0], 6, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-    )
-    d = _conv_features(body, input_shape)
-    enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
-    return EncoderHead(enc, 84, num_classes)
+    """LeNet-5 in its classic geometry: inputs padded to 32x32 (28x28 MNIST gets padding 2)."""
+    return _lenet_style(input_shape, num_classes, padding=max(0, (32 - input_shape[-1]) // 2))
 
 
 @MODELS.register("vgg9")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import numpy as np
 import ray
@@ -21,6 +22,10 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime.wire import pack, unpack
 from raysim.training import seed_for
+
+
+class DataNotAttached(RuntimeError):
+    """A call reached an actor without data: Ray restarted it while it was idle."""
 
 
 class ClientActor:
@@ -53,14 +58,18 @@ class ClientActor:
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
 
-    def run(self, data: tuple, rnd: int, method: str, on: str, cids: list[int], payload, *states):
+    def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], group: int,
+            payload, *states):
         """Run `on.method(client, payload)` for each client in order. Returns the results
-        and, for a plugin with `client_state = True`, then the clients' new states, each
-        as its own object (see `FederatedServer.run_clients`). `data` = ([train arrays ref,
-        train index ref], num_classes): the references travel with every call, so an actor
-        that Ray restarted attaches its data again by itself."""
-        if self.x is None:
+        in lists of `group` (one object each: a few objects for many small updates, one per
+        client for big ones) and, for a plugin with `client_state = True`, then each
+        client's new state as its own object (see `FederatedServer.run_clients`). `data` = ([train arrays ref,
+        train index ref], num_classes) on the first call to this actor (and the first after
+        a restart), else None: references cost a little on every call that carries them."""
+        if data is not None:
             self._attach(*data)
+        elif self.x is None:
+            raise DataNotAttached("client actor has no data (restarted since its last call)")
         plugin = self.plugins[on]
         stateful = bool(getattr(plugin, "client_state", False))
         states = states if stateful else [None] * len(cids)
@@ -87,8 +96,8 @@ class ClientActor:
             elif client.state:
                 raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                    "client_state = True, so the state would be lost")
-        out = tuple(results + new_states)
-        return out if len(out) > 1 else out[0]
+        out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
+        return tuple(out) if len(out) > 1 else out[0]
 
     def device_info(self) -> dict:
         info = {"device": str(self.device), "pid": os.getpid()}

@@ -4,12 +4,14 @@ It holds the algorithm's server half, the selection strategy, the client actors 
 run directory, and implements the `Server` calls an algorithm uses:
 
 - `select_clients(rnd)`: the selection strategy, with an RNG from (seed, round);
-- `run_clients(rnd, cids, payload)`: puts the payload in the object store once, gives each
-  client actor one task with its contiguous run of the cohort, and yields the results in
-  client-id order as they are fetched one by one from the object store, so the driver
-  holds O(model) and the fold order never depends on which actor finishes first.
+- `run_clients(rnd, cids, payload)`: sends the payload once per round (through the object
+  store when it is big), gives each client actor one task with its contiguous run of the
+  cohort, and yields the results in client-id order, fetched in bounded batches, so the
+  driver holds O(model) and the fold order never depends on which actor finishes first.
   A task whose actor died is a dropout for its clients this round (recorded); Ray
-  restarts the actor, which maps its data again from the object store.
+  restarts the actor, which maps its data again on its next call.
+
+It also owns the data (put in the object store once) and the client actors.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import placement
-from raysim.runtime.client_actor import start_client_actors
+from raysim.runtime.client_actor import DataNotAttached, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
 
@@ -44,15 +46,14 @@ class FederatedServer:
 
     def setup(self, layers: list, cwd: str) -> dict:
         """Resolve the config, load and partition the data, check everything, and only then
-        put the data in the object store, start the client actors and create the run
-        directory. Input problems raise `ConfigError` before anything is written."""
+        put the data in the object store and create the run directory (the client actors
+        start meanwhile). Input problems raise `ConfigError` before anything is written."""
         self.cfg = resolve(layers, cwd)
-        run_dir_for(self.cfg)
+        run_dir = run_dir_for(self.cfg)
         # The client actors start now, while the data loads: each needs ~1.5 s for torch.
         self.actors = start_client_actors(self.cfg)
         try:
             data, part, num_classes = prepare(self.cfg)
-            run_dir = run_dir_for(self.cfg)
         except ConfigError:
             for a in self.actors:
                 ray.kill(a)
@@ -74,6 +75,7 @@ class FederatedServer:
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
         self._round_records: list[dict] = []
         self._restarting: set[int] = set()  # actors that died and are being restarted
+        self._attached: set[int] = set()  # actors that have been sent the data references
         self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
         self._bytes = [0, 0]  # down, up
         self.client_updates = 0
@@ -109,37 +111,46 @@ class FederatedServer:
         payload_arg = ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
         stateful = bool(getattr(self.plugins[on], "client_state", False))
         work = self.sizes * max(1, int(self.cfg.local.epochs))
+        # Results come back in groups of about FETCH_BYTES (judged by the payload, about the
+        # size of an update): one object for many small updates, one per client for big ones.
+        group = max(1, int(FETCH_BYTES // max(size, 1)))
         calls = []
         self._await_restarts()
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
             states = [self._states.get(c) for c in chunk] if stateful else []
-            n_returns = (2 if stateful else 1) * len(chunk)
+            n_groups = -(-len(chunk) // group)
+            n_returns = n_groups + len(states)
+            data = None if a in self._attached else self.shared_data
+            self._attached.add(a)
             refs = self.actors[a].run.options(num_returns=n_returns).remote(
-                self.shared_data, rnd, method, on, chunk, payload_arg, *states)
-            refs = [refs] if n_returns == 1 else refs
-            calls.append((a, chunk, refs))
-        # Fetch results in batches of about FETCH_BYTES (sized by the payload, which is
-        # about the size of an update): one call for many small updates, one each for big ones.
-        batch = max(1, int(FETCH_BYTES // max(size, 1)))
-        return self._collect(rnd, method, calls, batch)
+                data, rnd, method, on, chunk, group, payload_arg, *states)
+            refs = [refs] if n_returns == 1 else list(refs)
+            calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
+        return self._collect(rnd, method, calls)
 
-    def _collect(self, rnd: int, method: str, calls: list, batch: int) -> Iterator[ClientResult]:
-        for a, chunk, refs in calls:
+    def _collect(self, rnd: int, method: str, calls: list) -> Iterator[ClientResult]:
+        for a, chunk, group_refs, state_refs in calls:
+            results = []
             try:
-                got = ray.get(refs[:min(batch, len(chunk))])
-            except ray.exceptions.RayActorError as e:
-                self._restarting.add(a)
+                results = ray.get(group_refs[0])  # all of a task's objects arrive together
+            except (ray.exceptions.RayActorError, DataNotAttached) as e:
+                # died now, or was restarted unseen (no data): either way, data on its next call
+                self._attached.discard(a)
+                if isinstance(e, ray.exceptions.RayActorError):
+                    self._restarting.add(a)
                 for c in chunk:
                     self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
                                                 "num_samples": int(self.sizes[c]), "loss": None})
-                self.writer.log(f"round {rnd}: actor died running clients {chunk}: {type(e).__name__}; dropped")
+                self.writer.log(f"round {rnd}: actor {a} lost clients {chunk}: {type(e).__name__}; dropped")
                 continue
+            next_group = 1
             for j, c in enumerate(chunk):
-                if j and j % batch == 0:
-                    got = ray.get(refs[j:min(j + batch, len(chunk))])
-                result = unpack(got[j % batch])
-                if len(refs) > len(chunk):
-                    self._states[c] = refs[len(chunk) + j]
+                if not results:
+                    results = ray.get(group_refs[next_group])
+                    next_group += 1
+                result = unpack(results.pop(0))
+                if state_refs:
+                    self._states[c] = state_refs[j]
                 self._bytes[1] += nbytes(result.update)
                 self.client_updates += 1
                 self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "ok",

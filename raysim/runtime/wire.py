@@ -27,31 +27,35 @@ class Packed:
         return Packed, (self.array,)
 
 
-def pack(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16
-            return obj
-        return Packed(t.numpy())
+def _map(obj: Any, leaf) -> Any:
+    """Apply `leaf` to every leaf of a nest of dicts, lists, tuples and dataclasses."""
     if isinstance(obj, dict):
-        return {k: pack(v) for k, v in obj.items()}
+        return {k: _map(v, leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(pack(v) for v in obj)
+        return type(obj)(_map(v, leaf) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        return dataclasses.replace(obj, **{f.name: _map(getattr(obj, f.name), leaf) for f in dataclasses.fields(obj)})
+    return leaf(obj)
+
+
+def _pack_leaf(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.dtype != torch.bfloat16:  # numpy has no bfloat16
+        return Packed(obj.detach().cpu().numpy())
     return obj
 
 
-def unpack(obj: Any) -> Any:
+def _unpack_leaf(obj: Any) -> Any:
     if isinstance(obj, Packed):
         a = obj.array
         return torch.from_numpy(a if a.flags.writeable else a.copy())
-    if isinstance(obj, dict):
-        return {k: unpack(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(unpack(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: unpack(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
     return obj
+
+
+def pack(obj: Any) -> Any:
+    """Tensors -> `Packed` numpy arrays, anywhere in `obj`."""
+    return _map(obj, _pack_leaf)
+
+
+def unpack(obj: Any) -> Any:
+    """`Packed` arrays -> tensors (copied when the received buffer is read-only)."""
+    return _map(obj, _unpack_leaf)
