@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from raysim.algorithm import Client
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
+from raysim.runtime.placement import num_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import seed_for
 
@@ -60,12 +61,14 @@ class ClientActor:
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], group: int,
             payload, *states):
-        """Run `on.method(client, payload)` for each client in order. Returns the results
-        in lists of `group` (one object each: a few objects for many small updates, one per
-        client for big ones) and, for a plugin with `client_state = True`, then each
-        client's new state as its own object (see `FederatedServer.run_clients`). `data` = ([train arrays ref,
-        train index ref], num_classes) on the first call to this actor (and the first after
-        a restart), else None: references cost a little on every call that carries them."""
+        """Run `on.method(client, payload)` for each client in order.
+
+        Returns the results in lists of `group` (one object each: a few objects for many
+        small updates, one per client for big ones) and, for a plugin with
+        `client_state = True`, then each client's new state as its own object (see
+        `FederatedServer.run_clients`). `data` = ([train arrays ref, train index ref],
+        num_classes) on the first call to this actor and the first after a restart, else
+        None: references cost a little on every call that carries them."""
         if data is not None:
             self._attach(*data)
         elif self.x is None:
@@ -117,8 +120,6 @@ def _warm_up(device: torch.device) -> None:
 def start_client_actors(cfg) -> list:
     """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
     share and GPU fraction, restarted by Ray if its process dies."""
-    from raysim.runtime.placement import num_actors
-
     res = cfg.resources
     total = ray.cluster_resources()
     n = num_actors(cfg, total.get("CPU", 1), total.get("GPU", 0))
