@@ -111,10 +111,14 @@ def sequential(name: str) -> dict:
 
 
 # --------------------------------------------------------------------------- measurement
+PSS = False  # --pss: also sample PSS (reading /proc/*/smaps takes ~40 ms a sample and perturbs timings)
+
+
 def run_measured(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, list]:
-    """Run `cmd`, sampling the summed RSS and PSS of it and its descendants; returns
-    (result, [peak RSS, peak PSS]). RSS counts shared pages (torch's libraries, the object
-    store) once per process that maps them; PSS splits them among those processes."""
+    """Run `cmd`, sampling the summed RSS (and with --pss the PSS) of it and its
+    descendants every 0.1 s; returns (result, [peak RSS, peak PSS]). RSS counts shared
+    pages (torch's libraries, the object store) once per process that maps them; PSS
+    splits them among those processes."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0, 0]
     done = threading.Event()
@@ -126,7 +130,7 @@ def run_measured(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess
             return
         tick = 0
         while not done.is_set():
-            with_pss = tick % 10 == 0  # PSS reads /proc/*/smaps: costly, so once a second
+            with_pss = PSS and tick % 10 == 0  # once a second: smaps is costly
             rss = pss = 0
             try:
                 for q in [p, *p.children(recursive=True)]:
@@ -201,7 +205,7 @@ def report(name: str, res: dict) -> str:
     row("median s/round after the first", "median_round_seconds", ".4f", lambda a, b: b / a)
     row("client updates per second", "client_updates_per_second", ".1f", lambda a, b: a / b)
     row("s from start to end of round 1", "seconds_to_end_of_round_1", ".2f", lambda a, b: a / b)
-    for key in ("rss", "pss"):
+    for key in ("rss", "pss") if PSS else ("rss",):
         a, b = r[f"peak_{key}"], s[f"peak_{key}"]
         lines.append(f"{f'peak summed {key.upper()} (MB)':<34}{a / 2**20:>12.0f}{b / 2**20:>12.0f}{a / b:>9.2f}x")
     lines.append(f"{'final accuracy':<34}{r['accuracy']:>12.4f}{s['accuracy']:>12.4f}")
@@ -218,7 +222,10 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each workload N times; the table shows the run with the median speed ratio")
+    p.add_argument("--pss", action="store_true", help="also report peak summed PSS (perturbs the timings)")
     args = p.parse_args()
+    global PSS
+    PSS = args.pss
     if args.sequential:
         print(json.dumps(sequential(args.sequential)))
         return 0

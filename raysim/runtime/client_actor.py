@@ -9,6 +9,7 @@ actor can run any client and the state outlives the actor that wrote it.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Optional
 
@@ -93,7 +94,10 @@ class ClientActor:
                 device=self.device, generator=torch.Generator().manual_seed(seed),
                 state=unpack(state) if state else {}, model=self.model,
             )
-            results.append(pack(fn(client, payload)))
+            t0 = time.perf_counter()
+            result = fn(client, payload)
+            result.metrics.setdefault("seconds", time.perf_counter() - t0)
+            results.append(pack(result))
             if stateful:
                 new_states.append(pack(client.state) if client.state else None)
             elif client.state:

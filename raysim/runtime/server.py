@@ -140,7 +140,7 @@ class FederatedServer:
                     self._restarting.add(a)
                 for c in chunk:
                     self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
-                                                "num_samples": int(self.sizes[c]), "loss": None})
+                                                "num_samples": int(self.sizes[c]), "loss": None, "seconds": None})
                 self.writer.log(f"round {rnd}: actor {a} lost clients {chunk}: {type(e).__name__}; dropped")
                 continue
             next_group = 1
@@ -155,7 +155,8 @@ class FederatedServer:
                 self.client_updates += 1
                 self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "ok",
                                             "num_samples": int(result.num_samples),
-                                            "loss": result.metrics.get("loss")})
+                                            "loss": result.metrics.get("loss"),
+                                            "seconds": result.metrics.get("seconds")})
                 yield result
 
     def _await_restarts(self, timeout: float = 120.0) -> None:
