@@ -1,0 +1,331 @@
+"""Dataset loaders: each returns whole train/test arrays, ready to go to the object store.
+
+Images come back as float32 (N, C, H, W), normalised per channel; labels as int64. Loaders
+use torchvision's classes and file formats where torchvision has the dataset, reading from
+`data_dir` (torchvision's own folder layout) and downloading when allowed and online.
+A file that is missing offline gives a `ConfigError` saying which file and where to put it.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from omegaconf import DictConfig
+
+from raysim.config import ConfigError
+from raysim.registry import DATASETS
+
+
+@dataclass
+class FederatedData:
+    """A dataset as whole arrays, plus the natural owner of each sample where it has one."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    users_train: Optional[np.ndarray] = None  # natural partition: owner id of each train sample
+    users_test: Optional[np.ndarray] = None
+
+    @property
+    def input_shape(self) -> tuple:
+        return tuple(self.x_train.shape[1:])
+
+
+def _normalise(x_uint8: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
+    """uint8 (N, H, W[, C]) -> float32 (N, C, H, W) with per-channel standardisation."""
+    x = x_uint8.astype(np.float32) / 255.0
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.shape[-1] in (1, 3):
+        x = x.transpose(0, 3, 1, 2)
+    m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+    s = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
+    return np.ascontiguousarray((x - m) / s)
+
+
+def _missing(name: str, where: Path, files: list[str], err: Exception | None) -> ConfigError:
+    why = f" (download failed: {str(err).splitlines()[0][:120]})" if err else " (download=false)"
+    return ConfigError(
+        f"dataset {name!r}: files not found under {where}{why}; put {', '.join(files)} there "
+        f"or set data_dir=<folder that has them>"
+    )
+
+
+def _torchvision_load(name: str, cls, root: Path, download: bool, kwargs_train: dict, kwargs_test: dict,
+                      where: Path, files: list[str]):
+    """Build torchvision train/test datasets, trying a download only when files are missing."""
+    def build(dl: bool):
+        return cls(str(root), download=dl, **kwargs_train), cls(str(root), download=dl, **kwargs_test)
+
+    try:
+        return build(False)
+    except (RuntimeError, FileNotFoundError, OSError):
+        pass
+    if not download:
+        raise _missing(name, where, files, None)
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)
+    try:
+        return build(True)
+    except Exception as e:  # network errors come in many types
+        raise _missing(name, where, files, e) from None
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+# --------------------------------------------------------------------------- MNIST family
+_IDX_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+
+
+def _gunzip_if_needed(raw: Path) -> None:
+    """Accept the distributed `.gz` IDX files as well as torchvision's extracted ones."""
+    for f in _IDX_FILES:
+        gz = raw / (f + ".gz")
+        if not (raw / f).exists() and gz.exists():
+            with gzip.open(gz, "rb") as src, open(raw / f, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+
+
+def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: DictConfig) -> FederatedData:
+    root = Path(cfg.data_dir)
+    raw = root / folder / "raw"
+    if raw.is_dir():
+        _gunzip_if_needed(raw)
+    train, test = _torchvision_load(name, cls, root, cfg.download, {"train": True}, {"train": False}, raw, _IDX_FILES)
+    return FederatedData(
+        name,
+        _normalise(train.data.numpy(), (mean,), (std,)),
+        train.targets.numpy().astype(np.int64),
+        _normalise(test.data.numpy(), (mean,), (std,)),
+        test.targets.numpy().astype(np.int64),
+        10,
+    )
+
+
+@DATASETS.register("mnist")
+class MNIST:
+    """MNIST from IDX files in `<data_dir>/MNIST/raw` (torchvision layout; .gz accepted)."""
+
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        from torchvision.datasets import MNIST as TV
+
+        return _load_idx_family("mnist", TV, "MNIST", 0.1307, 0.3081, cfg)
+
+
+@DATASETS.register("fmnist")
+class FMNIST:
+    """Fashion-MNIST from IDX files in `<data_dir>/FashionMNIST/raw`."""
+
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        from torchvision.datasets import FashionMNIST as TV
+
+        return _load_idx_family("fmnist", TV, "FashionMNIST", 0.2860, 0.3530, cfg)
+
+
+# --------------------------------------------------------------------------- CIFAR family
+def _cifar_classes():
+    """torchvision's CIFAR classes, checking that files exist rather than their MD5, so
+    that a locally prepared copy (or a test's small file) in the same format loads."""
+    from torchvision.datasets import CIFAR10 as TV10, CIFAR100 as TV100
+
+    class C10(TV10):
+        def _check_integrity(self) -> bool:
+            return all(os.path.isfile(os.path.join(self.root, self.base_folder, f)) for f, _ in self.train_list + self.test_list)
+
+        def _load_meta(self) -> None:  # class names are not used; the meta file may be absent
+            self.classes = []
+
+    class C100(TV100):
+        _check_integrity = C10._check_integrity
+        _load_meta = C10._load_meta
+
+    return C10, C100
+
+
+def _cifar_data(name, tv_cls, folder, files, cfg, num_classes, label_key=None) -> FederatedData:
+    root = Path(cfg.data_dir)
+    train, test = _torchvision_load(name, tv_cls, root, cfg.download, {"train": True}, {"train": False}, root / folder, files)
+    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    ys = []
+    for ds, split in ((train, "train"), (test, "test")):
+        if label_key is None:
+            ys.append(np.asarray(ds.targets, np.int64))
+        else:  # CIFAR-100 coarse labels sit in the same pickles as the fine ones
+            with open(root / folder / split, "rb") as f:
+                ys.append(np.asarray(pickle.load(f, encoding="latin1")[label_key], np.int64))
+    return FederatedData(name, _normalise(train.data, mean, std), ys[0], _normalise(test.data, mean, std), ys[1], num_classes)
+
+
+@DATASETS.register("cifar10")
+class CIFAR10:
+    """CIFAR-10 from the python pickles in `<data_dir>/cifar-10-batches-py`."""
+
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        c10, _ = _cifar_classes()
+        files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        return _cifar_data("cifar10", c10, "cifar-10-batches-py", files, cfg, 10)
+
+
+@dataclass
+class CIFAR100Config:
+    coarse: bool = False  # True: the 20 superclasses instead of the 100 fine classes
+
+
+@DATASETS.register("cifar100")
+class CIFAR100:
+    """CIFAR-100 (fine, or the 20 coarse superclasses) from `<data_dir>/cifar-100-python`."""
+
+    Config = CIFAR100Config
+    num_classes = 100
+
+    @staticmethod
+    def classes(cfg: DictConfig) -> int:
+        return 20 if cfg.cifar100.coarse else 100
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        _, c100 = _cifar_classes()
+        coarse = bool(cfg.cifar100.coarse)
+        return _cifar_data("cifar100", c100, "cifar-100-python", ["train", "test"], cfg,
+                           20 if coarse else 100, "coarse_labels" if coarse else None)
+
+
+@DATASETS.register("svhn")
+class SVHN:
+    """SVHN cropped digits from `<data_dir>/train_32x32.mat` and `test_32x32.mat`."""
+
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        from torchvision.datasets import SVHN as TV
+
+        class S(TV):
+            def _check_integrity(self) -> bool:
+                return os.path.isfile(os.path.join(self.root, self.filename))
+
+        root = Path(cfg.data_dir)
+        train, test = _torchvision_load("svhn", S, root, cfg.download, {"split": "train"}, {"split": "test"},
+                                        root, ["train_32x32.mat", "test_32x32.mat"])
+        mean, std = (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)
+        # torchvision keeps SVHN as (N, C, H, W) uint8 already
+        return FederatedData("svhn", _normalise(train.data.transpose(0, 2, 3, 1), mean, std), train.labels.astype(np.int64),
+                             _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10)
+
+
+# --------------------------------------------------------------------------- offline data
+@DATASETS.register("digits")
+class Digits:
+    """scikit-learn's 8x8 digits (1,797 images, shipped with the install): the offline
+    default. A fixed 80/20 train/test split from `seed`."""
+
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        d = load_digits()
+        x = (d.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+        x = x[:, None]
+        y = d.target.astype(np.int64)
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=cfg.seed, stratify=y)
+        return FederatedData("digits", np.ascontiguousarray(xtr), ytr, np.ascontiguousarray(xte), yte, 10)
+
+
+@dataclass
+class SyntheticConfig:
+    alpha: float = 1.0  # how much local models differ
+    beta: float = 1.0  # how much local inputs differ
+    dim: int = 60
+    num_classes: int = 10
+    samples_per_client: int = 0  # 0: FedProx's log-normal sizes; > 0: this many per client
+    test_fraction: float = 0.2  # each user's share held out for the global test set
+
+
+@DATASETS.register("synthetic")
+class Synthetic:
+    """FedProx Synthetic(alpha, beta) (Li et al. 2020): user k draws W_k, b_k ~ N(u_k, 1),
+    u_k ~ N(0, alpha); x ~ N(v_k, Sigma), v_k ~ N(B_k, 1), B_k ~ N(0, beta), Sigma_jj = j^-1.2;
+    y = argmax(W_k x + b_k). One user per client (`num_clients` users); natural partition."""
+
+    Config = SyntheticConfig
+    num_classes = 10
+
+    @staticmethod
+    def classes(cfg: DictConfig) -> int:
+        return int(cfg.synthetic.num_classes)
+
+    @staticmethod
+    def validate_config(cfg: DictConfig) -> None:
+        s = cfg.synthetic
+        if s.alpha < 0 or s.beta < 0:
+            raise ConfigError(f"synthetic.alpha and synthetic.beta must be >= 0, got {s.alpha}, {s.beta}")
+        if s.dim < 1 or s.num_classes < 2:
+            raise ConfigError("synthetic.dim must be >= 1 and synthetic.num_classes >= 2")
+        if not 0 < s.test_fraction < 1:
+            raise ConfigError(f"synthetic.test_fraction must be in (0, 1), got {s.test_fraction}")
+        if s.samples_per_client < 0:
+            raise ConfigError(f"synthetic.samples_per_client must be >= 0, got {s.samples_per_client}")
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        s = cfg.synthetic
+        n_users, d, c = int(cfg.num_clients), int(s.dim), int(s.num_classes)
+        rng = np.random.default_rng([cfg.seed, 7])
+        if s.samples_per_client > 0:
+            sizes = np.full(n_users, int(s.samples_per_client))
+        else:
+            sizes = rng.lognormal(4, 2, n_users).astype(int) + 50
+            sizes = np.minimum(sizes, 20000)  # keep the heavy tail from exhausting memory
+        sigma = np.arange(1, d + 1, dtype=np.float64) ** -1.2
+        u = rng.normal(0, s.alpha, n_users)
+        b_mean = rng.normal(0, s.beta, n_users)
+        w = rng.normal(u[:, None, None], 1, (n_users, d, c))
+        b = rng.normal(u[:, None], 1, (n_users, c))
+        v = rng.normal(b_mean[:, None], 1, (n_users, d))
+        owner = np.repeat(np.arange(n_users), sizes)
+        x = rng.standard_normal((len(owner), d), dtype=np.float32)
+        x *= np.sqrt(sigma).astype(np.float32)
+        x += v.astype(np.float32)[owner]
+        y = np.empty(len(owner), np.int64)
+        ends = np.cumsum(sizes)
+        w32 = w.astype(np.float32)
+        for k in range(n_users):  # labels from each user's own model
+            lo = ends[k] - sizes[k]
+            y[lo:ends[k]] = np.argmax(x[lo:ends[k]] @ w32[k] + b[k], axis=1)
+        # each user's last test_fraction of samples go to the test set
+        n_test = (sizes * float(s.test_fraction)).astype(int)
+        is_test = (np.arange(len(owner)) - (ends - sizes)[owner]) >= (sizes - n_test)[owner]
+        return FederatedData("synthetic", x[~is_test], y[~is_test], x[is_test], y[is_test], c,
+                             users_train=owner[~is_test], users_test=owner[is_test])
+
+
+def num_classes(cfg: DictConfig) -> int:
+    """Classes of the configured dataset, known without loading it."""
+    ds = DATASETS.get(cfg.dataset)
+    return ds.classes(cfg) if hasattr(ds, "classes") else ds.num_classes
+
+
+def load_dataset(cfg: DictConfig) -> FederatedData:
+    return DATASETS.get(cfg.dataset).load(cfg)
