@@ -88,3 +88,21 @@ def test_synthetic_natural_users():
     assert set(np.unique(d.y_train)) <= set(range(10))
     again = load_dataset(cfg)
     assert np.array_equal(d.x_train, again.x_train)
+
+
+def test_svhn_mat_loader(tmp_path):
+    """SVHN's .mat format: X is (32, 32, 3, N) uint8, y is (N, 1) with the digit 0 stored as 10."""
+    from scipy.io import savemat
+
+    rng = np.random.default_rng(3)
+    truth = {}
+    for split, n in (("train", 12), ("test", 5)):
+        x = rng.integers(0, 256, (32, 32, 3, n)).astype(np.uint8)
+        y = rng.integers(1, 11, (n, 1))
+        savemat(tmp_path / f"{split}_32x32.mat", {"X": x, "y": y})
+        truth[split] = (x, y.ravel() % 10)
+    d = load_dataset(load_config(overrides=["dataset=svhn", f"data_dir={tmp_path}", "download=false"]))
+    assert d.x_train.shape == (12, 3, 32, 32) and d.x_test.shape == (5, 3, 32, 32)
+    assert d.y_train.tolist() == truth["train"][1].tolist() and d.y_test.tolist() == truth["test"][1].tolist()
+    x0 = truth["train"][0][:, :, 0, 0]  # the red plane of the first image
+    assert np.argmax(d.x_train[0, 0].ravel()) == np.argmax(x0.ravel())
