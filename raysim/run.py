@@ -82,6 +82,12 @@ def launch(layers: list, t_start: float, progress: bool = True) -> dict:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
         return ray.get(driver.finish.remote(time.time() - t_start))
+    except BaseException:  # a crash or Ctrl-C: keep the metrics of the rounds that ran
+        try:
+            ray.get(driver.flush.remote(), timeout=30)
+        except Exception:
+            pass
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -132,6 +138,9 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     except ConfigError as e:  # raised by the driver while resolving and checking the input
         print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)  # the message, not Ray's traceback
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the rounds that ran are in the run directory", file=sys.stderr)
+        return 130
     finally:
         if started:
             ray.shutdown()

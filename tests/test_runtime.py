@@ -118,3 +118,13 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
     assert server.step(2)["dropped"] == 6  # clients 0-5 reached the restarted actor without data
     assert server.step(3)["dropped"] == 0  # ... which got the data with this call
     server.finish(1.0)
+
+
+def test_a_bug_stops_the_run_and_keeps_the_rounds_that_ran(ray_local, tmp_path):
+    with pytest.raises(ValueError, match="bug in round 3"):
+        main([*BASE, "plugins=[stateful_plugin]", "algorithm=test_fails_in_round_3", "rounds=5",
+              f"output_dir={tmp_path}", "run_name=bug"])
+    d = tmp_path / "bug"
+    assert [r["round"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [1, 2]
+    assert not (d / "summary.json").exists()
+    assert "run stopped before its last round" in (d / "log.txt").read_text()

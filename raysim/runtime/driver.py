@@ -25,5 +25,8 @@ class ServerDriver:
     def finish(self, wall_seconds: float) -> dict:
         return self.server.finish(wall_seconds)
 
+    def flush(self) -> None:
+        self.server.flush()
+
     def actor_info(self) -> list:
         return self.server.actor_info()

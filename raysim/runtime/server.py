@@ -209,5 +209,11 @@ class FederatedServer:
         self.writer.finish(summary, self.algorithm.state_dict())
         return summary
 
+    def flush(self) -> None:
+        """Write the metrics of the rounds so far (the run is being stopped early)."""
+        if hasattr(self, "writer"):
+            self.writer.flush_tables()
+            self.writer.log("run stopped before its last round")
+
     def actor_info(self) -> list[dict]:
         return ray.get([a.device_info.remote() for a in self.actors])

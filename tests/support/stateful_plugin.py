@@ -14,3 +14,13 @@ class StateCounter(FedAvg):
         client.state["count"] = client.state.get("count", 0) + 1
         result.metrics["loss"] = float(client.state["count"])
         return result
+
+
+@ALGORITHMS.register("test_fails_in_round_3")
+class FailsInRound3(FedAvg):
+    """A bug in client code: round 3 raises."""
+
+    def client_update(self, client, payload):
+        if client.round == 3:
+            raise ValueError("bug in round 3")
+        return super().client_update(client, payload)
