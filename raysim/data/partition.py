@@ -173,6 +173,15 @@ def label_counts(y: np.ndarray, part: Partition, num_classes: int) -> np.ndarray
     return np.stack([np.bincount(y[ix], minlength=num_classes) for ix in part.train])
 
 
+def label_entropy(counts: np.ndarray) -> np.ndarray:
+    """Shannon entropy (nats) of the label distribution(s) given by count vector(s) along the
+    last axis; 0 log 0 = 0, and an all-zero vector has entropy 0."""
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum(-1, keepdims=True)
+    p = counts / np.where(total > 0, total, 1)
+    return -(p * np.log(np.where(p > 0, p, 1))).sum(-1)
+
+
 def label_table(y: np.ndarray, part: Partition, num_classes: int, max_rows: int = 0) -> str:
     """Human-readable per-client label-count table."""
     counts = label_counts(y, part, num_classes)

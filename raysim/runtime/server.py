@@ -25,6 +25,7 @@ import torch
 
 from raysim.algorithm import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, to_yaml
+from raysim.data.partition import label_counts, label_entropy
 from raysim.experiment import prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
@@ -61,6 +62,7 @@ class FederatedServer:
         self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)], num_classes)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.sizes = part.sizes()
+        self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         self.num_clients = int(self.cfg.num_clients)
         self.num_classes = num_classes
         self.input_shape = data.input_shape
@@ -74,6 +76,7 @@ class FederatedServer:
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
         self._round_records: list[dict] = []
+        self._selected: Optional[list[int]] = None  # the last cohort select_clients returned
         self._restarting: set[int] = set()  # actors that died and are being restarted
         self._attached: set[int] = set()  # actors that have been sent the data references
         self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
@@ -97,7 +100,8 @@ class FederatedServer:
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
         k = clients_per_round(self.cfg) if k is None else k
-        return sorted(self.selection.select(rnd, k, self.rng(rnd, 1)))
+        self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
+        return self._selected
 
     def run_clients(self, rnd: int, cids: list[int], payload: Any, method: str = "client_update",
                     on: str = "algorithm") -> Iterator[ClientResult]:
@@ -178,6 +182,7 @@ class FederatedServer:
         """Run round `rnd` and, when due, evaluate; returns the round's metrics row."""
         t0 = time.time()
         self._round_records = []
+        self._selected = None
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
         row: dict = {"round": rnd}
@@ -188,6 +193,10 @@ class FederatedServer:
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
         row.update(extra)
         row.update(self.selection.round_metrics())
+        if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
+            cohort = self.true_counts[self._selected].sum(0)
+            row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
+                        "cohort_labels": int((cohort > 0).sum())})
         ok = [r for r in self._round_records if r["status"] == "ok"]
         row.update({
             "clients": len(self._round_records),
