@@ -51,6 +51,7 @@ class Client:
     generator: torch.Generator  # seeded from (seed, round, cid): the only randomness to use
     state: dict  # persists between the rounds this client takes part in
     model: torch.nn.Module  # the actor's scratch instance of the configured model
+    epochs: int = 1  # local epochs this round: `local.epochs`, or a straggler's draw
 
     @property
     def num_samples(self) -> int:

@@ -65,6 +65,15 @@ class RayConfig:
 
 
 @dataclass
+class SystemConfig:
+    """System heterogeneity, for any algorithm (FedEntOpt's robustness runs)."""
+
+    dropout: float = 0.0  # probability that a selected client does not return its update
+    stragglers: float = 0.0  # fraction of all clients that are stragglers (drawn once from the seed)
+    straggler_epochs: List[int] = field(default_factory=lambda: [1, 5])  # a straggler's epochs: uniform in [lo, hi]
+
+
+@dataclass
 class FaultsConfig:
     """Fault injection for tests and drills: the actor training `crash_client` in round
     `crash_round` exits its process (a real actor death)."""
@@ -93,6 +102,7 @@ class Config:
     download: bool = True
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
 
@@ -268,6 +278,12 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= loc.momentum < 1, f"local.momentum must be in [0, 1), got {loc.momentum}")
     need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
     need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
+    sy = cfg.system
+    need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
+    need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
+    se = list(sy.straggler_epochs)
+    need(len(se) == 2 and 1 <= se[0] <= se[1],
+         f"system.straggler_epochs must be [lo, hi] with 1 <= lo <= hi, got {se}")
     r = cfg.resources
     cpa = r.clients_per_actor
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),

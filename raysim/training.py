@@ -65,11 +65,12 @@ class SGD:
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
               epochs: Optional[int] = None, steps: Optional[int] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
-    decay, batch size; `steps` > 0 replaces epochs). Batches come from the client's
+    decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
+    which differs from `local.epochs` for stragglers). Batches come from the client's
     generator, so the result depends only on (seed, round, client id).
     Returns {"loss": mean training loss, "steps": number of SGD steps}."""
     loc = client.cfg.local
-    epochs = int(loc.epochs) if epochs is None else epochs
+    epochs = client.epochs if epochs is None else epochs
     steps = int(loc.steps) if steps is None else steps
     opt = SGD(model.parameters(), lr=round_lr(loc, client.round), momentum=float(loc.momentum),
               weight_decay=float(loc.weight_decay))

@@ -66,7 +66,8 @@ def make_client(cfg, model, n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 2, generator=g)
     y = (x[:, 0] > 0).long()
-    return Client(0, 1, cfg, x, y, 2, torch.device("cpu"), torch.Generator().manual_seed(seed), {}, model)
+    return Client(0, 1, cfg, x, y, 2, torch.device("cpu"), torch.Generator().manual_seed(seed), {}, model,
+                  epochs=int(cfg.local.epochs))
 
 
 def test_fedprox_loss_adds_the_proximal_term():

@@ -128,3 +128,39 @@ def test_a_bug_stops_the_run_and_keeps_the_rounds_that_ran(ray_local, tmp_path):
     assert [r["round"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [1, 2]
     assert not (d / "summary.json").exists()
     assert "run stopped before its last round" in (d / "log.txt").read_text()
+
+
+def test_fedentopt_with_fedprox_dropout_and_stragglers(ray_local, tmp_path):
+    common = ["selection=fedentopt", "algorithm=fedprox", "partition=classes", "partition.k=1",
+              "num_clients=20", "participation=0.5", "rounds=4"]
+    d, s = run(tmp_path, "sys", *common, "system.dropout=0.3", "system.stragglers=0.5", "system.straggler_epochs=[2,4]")
+    assert s["rounds"] == 4
+    rows = pq.read_table(d / "clients.parquet").to_pylist()
+    dropouts = [r for r in rows if r["reason"] == "dropout"]
+    assert dropouts and all(r["status"] == "dropped" and r["loss"] is None for r in dropouts)
+    trained = [r for r in rows if r["status"] == "ok"]
+    assert {r["epochs"] for r in trained if not r["straggler"]} == {1}  # local.epochs
+    slow = {r["epochs"] for r in trained if r["straggler"]}
+    assert slow and slow <= {2, 3, 4} and len(slow) > 1
+    m = pq.read_table(d / "metrics.parquet").to_pylist()
+    assert [r["dropped"] for r in m] == [sum(1 for x in rows if x["round"] == rnd and x["status"] == "dropped")
+                                         for rnd in range(1, 5)]
+    assert all(len(r["selected"]) == 10 for r in m)
+    # without the system settings: nobody drops out and everyone trains local.epochs
+    d0, _ = run(tmp_path, "nosys", *common)
+    rows0 = pq.read_table(d0 / "clients.parquet").to_pylist()
+    assert all(r["status"] == "ok" and r["epochs"] == 1 for r in rows0)
+
+
+def test_fedentopt_picks_more_balanced_cohorts_than_random(ray_local, tmp_path):
+    common = ["partition=classes", "partition.k=1", "num_clients=20", "participation=0.25", "rounds=4"]
+
+    def mean_entropy(name, selection):
+        d, _ = run(tmp_path, name, f"selection={selection}", *common)
+        m = pq.read_table(d / "metrics.parquet").to_pylist()
+        return sum(r["cohort_entropy"] for r in m) / len(m), [r["cohort_labels"] for r in m]
+
+    ent, labels = mean_entropy("ent", "fedentopt")
+    rnd, _ = mean_entropy("rnd", "random")
+    assert labels == [5, 5, 5, 5]  # 5 single-label clients, 5 different labels every round
+    assert ent > rnd

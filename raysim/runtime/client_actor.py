@@ -60,8 +60,8 @@ class ClientActor:
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
 
-    def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], group: int,
-            payload, *states):
+    def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
+            group: int, payload, *states):
         """Run `on.method(client, payload)` for each client in order.
 
         Returns the results in lists of `group` (one object each: a few objects for many
@@ -81,7 +81,7 @@ class ClientActor:
         payload = unpack(payload)
         f = self.cfg.faults
         results, new_states = [], []
-        for cid, state in zip(cids, states):
+        for cid, n_epochs, state in zip(cids, epochs, states):
             if rnd == f.crash_round and cid == f.crash_client:
                 os._exit(1)  # injected fault: this worker process dies mid-round
             idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
@@ -92,7 +92,7 @@ class ClientActor:
             client = Client(
                 cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
                 device=self.device, generator=torch.Generator().manual_seed(seed),
-                state=unpack(state) if state else {}, model=self.model,
+                state=unpack(state) if state else {}, model=self.model, epochs=n_epochs,
             )
             t0 = time.perf_counter()
             result = fn(client, payload)

@@ -64,6 +64,9 @@ class FederatedServer:
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         self.num_clients = int(self.cfg.num_clients)
+        n_slow = int(round(float(self.cfg.system.stragglers) * self.num_clients))
+        self.stragglers = set(np.random.default_rng([int(self.cfg.seed), 4]).choice(
+            self.num_clients, n_slow, replace=False).tolist())
         self.num_classes = num_classes
         self.input_shape = data.input_shape
         del data  # the object store has the training arrays now
@@ -108,6 +111,9 @@ class FederatedServer:
         """Submits every task now (so several cohorts can train at once) and returns an
         iterator over the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
+        epochs = {c: int(self.cfg.local.epochs) for c in cids}
+        if method == "client_update":  # system heterogeneity applies to training calls
+            cids, epochs = self._system_effects(rnd, cids, epochs)
         size = nbytes(payload)
         self._bytes[0] += size * len(cids)
         # A big payload goes to the object store once and every task gets the reference;
@@ -127,12 +133,36 @@ class FederatedServer:
             data = None if a in self._attached else self.shared_data
             self._attached.add(a)
             refs = self.actors[a].run.options(num_returns=n_returns).remote(
-                data, rnd, method, on, chunk, group, payload_arg, *states)
+                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, payload_arg, *states)
             refs = [refs] if n_returns == 1 else list(refs)
             calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
-        return self._collect(rnd, method, calls)
+        return self._collect(rnd, method, calls, epochs)
 
-    def _collect(self, rnd: int, method: str, calls: list) -> Iterator[ClientResult]:
+    def _system_effects(self, rnd: int, cids: list[int], epochs: dict) -> tuple[list[int], dict]:
+        """Simulated dropout (the client never returns; recorded, not trained) and
+        stragglers (a random number of epochs), each drawn from (seed, round, client id)."""
+        sy = self.cfg.system
+        kept = []
+        for c in cids:
+            rng = np.random.default_rng([int(self.cfg.seed), rnd, c, 3])
+            if sy.dropout > 0 and rng.random() < sy.dropout:
+                self._record(rnd, c, "client_update", "dropped", reason="dropout")
+                continue
+            if c in self.stragglers:
+                epochs[c] = int(rng.integers(sy.straggler_epochs[0], sy.straggler_epochs[1] + 1))
+            kept.append(c)
+        return kept, epochs
+
+    def _record(self, rnd: int, cid: int, method: str, status: str, reason: Optional[str] = None,
+                result: Optional[ClientResult] = None, epochs: Optional[int] = None) -> None:
+        m = result.metrics if result is not None else {}
+        self._round_records.append({
+            "round": rnd, "cid": cid, "method": method, "status": status, "reason": reason,
+            "num_samples": int(result.num_samples if result is not None else self.sizes[cid]),
+            "epochs": epochs, "straggler": cid in self.stragglers,
+            "loss": m.get("loss"), "seconds": m.get("seconds")})
+
+    def _collect(self, rnd: int, method: str, calls: list, epochs: dict) -> Iterator[ClientResult]:
         for a, chunk, group_refs, state_refs in calls:
             results = []
             try:
@@ -143,8 +173,7 @@ class FederatedServer:
                 if isinstance(e, ray.exceptions.RayActorError):
                     self._restarting.add(a)
                 for c in chunk:
-                    self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "dropped",
-                                                "num_samples": int(self.sizes[c]), "loss": None, "seconds": None})
+                    self._record(rnd, c, method, "dropped", reason="actor_died", epochs=epochs[c])
                 self.writer.log(f"round {rnd}: actor {a} lost clients {chunk}: {type(e).__name__}; dropped")
                 continue
             next_group = 1
@@ -157,10 +186,7 @@ class FederatedServer:
                     self._states[c] = state_refs[j]
                 self._bytes[1] += nbytes(result.update)
                 self.client_updates += 1
-                self._round_records.append({"round": rnd, "cid": c, "method": method, "status": "ok",
-                                            "num_samples": int(result.num_samples),
-                                            "loss": result.metrics.get("loss"),
-                                            "seconds": result.metrics.get("seconds")})
+                self._record(rnd, c, method, "ok", result=result, epochs=epochs[c])
                 yield result
 
     def _await_restarts(self, timeout: float = 120.0) -> None:
