@@ -106,3 +106,30 @@ def test_svhn_mat_loader(tmp_path):
     assert d.y_train.tolist() == truth["train"][1].tolist() and d.y_test.tolist() == truth["test"][1].tolist()
     x0 = truth["train"][0][:, :, 0, 0]  # the red plane of the first image
     assert np.argmax(d.x_train[0, 0].ravel()) == np.argmax(x0.ravel())
+
+
+def test_cinic10_folder_loader(tmp_path):
+    from PIL import Image
+
+    from raysim.data.datasets import CINIC_CLASSES
+
+    rng = np.random.default_rng(4)
+    first = {}
+    for split, per_class in (("train", 2), ("test", 1)):
+        for label, name in enumerate(CINIC_CLASSES):
+            folder = tmp_path / "cinic10" / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                img = rng.integers(0, 256, (32, 32, 3)).astype(np.uint8)
+                Image.fromarray(img).save(folder / f"cifar10-{split}-{i}.png")
+                first.setdefault((split, label), img)
+    d = load_dataset(load_config(overrides=["dataset=cinic10", f"data_dir={tmp_path}"]))
+    assert d.x_train.shape == (20, 3, 32, 32) and d.x_test.shape == (10, 3, 32, 32)
+    assert sorted(d.y_train.tolist()) == sorted(list(range(10)) * 2) and sorted(d.y_test.tolist()) == list(range(10))
+    k = int(np.flatnonzero(d.y_test == 3)[0])  # PNG is lossless: the red plane's brightest pixel survives
+    assert np.argmax(d.x_test[k, 0].ravel()) == np.argmax(first[("test", 3)][:, :, 0].ravel())
+
+
+def test_cinic10_missing_folder_says_where(tmp_path):
+    with pytest.raises(ConfigError, match=r"cinic10.*train, test not found under"):
+        load_dataset(load_config(overrides=["dataset=cinic10", f"data_dir={tmp_path}"]))

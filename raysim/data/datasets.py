@@ -232,6 +232,47 @@ class SVHN:
                              _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10)
 
 
+CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@dataclass
+class CINIC10Config:
+    use_valid: bool = False  # also train on the `valid` split (90k more images)
+
+
+@DATASETS.register("cinic10")
+class CINIC10:
+    """CINIC-10 in its standard folder layout: `<data_dir>/cinic10/{train,valid,test}/<class>/*.png`
+    (32x32 RGB), read with torchvision's ImageFolder. It is not downloadable through
+    torchvision: fetch and unpack it there yourself."""
+
+    Config = CINIC10Config
+    num_classes = 10
+
+    @staticmethod
+    def load(cfg: DictConfig) -> FederatedData:
+        from torchvision.datasets import ImageFolder
+
+        root = Path(cfg.data_dir) / "cinic10"
+        splits = ["train", "valid", "test"] if cfg.cinic10.use_valid else ["train", "test"]
+        missing = [s for s in splits if not (root / s).is_dir()]
+        if missing:
+            raise ConfigError(f"dataset 'cinic10': folder(s) {', '.join(missing)} not found under {root}; "
+                              f"unpack CINIC-10 there ({'/'.join(splits)}/<class>/*.png) or set data_dir=...")
+        arrays = {}
+        for split in splits:
+            folder = ImageFolder(str(root / split))
+            if folder.classes != CINIC_CLASSES:
+                raise ConfigError(f"dataset 'cinic10': {root / split} has classes {folder.classes}, expected {CINIC_CLASSES}")
+            x = np.stack([np.asarray(folder.loader(path).convert("RGB"), dtype=np.uint8) for path, _ in folder.samples])
+            arrays[split] = (x, np.asarray(folder.targets, np.int64))
+        train = [arrays[s] for s in splits if s != "test"]
+        mean, std = (0.4789, 0.4723, 0.4305), (0.2421, 0.2383, 0.2587)
+        return FederatedData("cinic10", _normalise(np.concatenate([t[0] for t in train]), mean, std),
+                             np.concatenate([t[1] for t in train]),
+                             _normalise(arrays["test"][0], mean, std), arrays["test"][1], 10)
+
+
 # --------------------------------------------------------------------------- offline data
 @DATASETS.register("digits")
 class Digits:

@@ -71,23 +71,37 @@ def lenet5(input_shape: tuple, num_classes: int) -> EncoderHead:
     return _lenet_style(input_shape, num_classes, padding=max(0, (32 - input_shape[-1]) // 2))
 
 
-@MODELS.register("vgg9")
-def vgg9(input_shape: tuple, num_classes: int) -> EncoderHead:
-    """VGG-9 of FedMA / Fed2: six 3x3 convs (32, 64, pool, 128, 128, pool, 256, 256, pool),
-    then fc512-fc512 and the classifier; no batch norm."""
-    cfg = [32, 64, "M", 128, 128, "M", 256, 256, "M"]
+def _vgg(input_shape: tuple, num_classes: int, plan: list, batch_norm: bool) -> EncoderHead:
+    """3x3 convs (with BatchNorm when asked) per `plan` ("M" = 2x2 max pool), then
+    fc512-fc512 and the classifier."""
     layers: list[nn.Module] = []
     c = input_shape[0]
-    for v in cfg:
+    for v in plan:
         if v == "M":
             layers.append(nn.MaxPool2d(2))
         else:
-            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU()]
+            layers += [nn.Conv2d(c, v, 3, padding=1), *([nn.BatchNorm2d(v)] if batch_norm else []), nn.ReLU()]
             c = v
     body = nn.Sequential(*layers, nn.Flatten())
     d = _conv_features(body, input_shape)
     enc = nn.Sequential(body, nn.Linear(d, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU())
     return EncoderHead(enc, 512, num_classes)
+
+
+@MODELS.register("vgg9")
+def vgg9(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """VGG-9 of FedMA / Fed2: six 3x3 convs (32, 64, pool, 128, 128, pool, 256, 256, pool),
+    then fc512-fc512 and the classifier; no batch norm."""
+    return _vgg(input_shape, num_classes, [32, 64, "M", 128, 128, "M", 256, 256, "M"], batch_norm=False)
+
+
+@MODELS.register("vgg11")
+def vgg11(input_shape: tuple, num_classes: int) -> EncoderHead:
+    """VGG-11 (configuration A of Simonyan & Zisserman) for 32x32 inputs, as FedEntOpt uses:
+    eight 3x3 convs 64-M-128-M-256-256-M-512-512-M-512-512-M with BatchNorm, then
+    fc512-fc512 and the classifier."""
+    return _vgg(input_shape, num_classes, [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+                batch_norm=True)
 
 
 class _BasicBlock(nn.Module):
