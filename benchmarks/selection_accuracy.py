@@ -59,7 +59,7 @@ def main() -> int:
             print(f"{sel:<11}{mean_std([r['entropy'] for r in res]):>24}"
                   f"{statistics.mean(r['labels'] for r in res):>20.2f}{mean_std([r['last10'] for r in res]):>22}",
                   flush=True)
-    print(f"(max entropy with 10 labels: ln 10 = 2.3026)")
+    print("(max entropy with 10 labels: ln 10 = 2.3026)")
     return 0
 
 

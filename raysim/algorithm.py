@@ -19,7 +19,7 @@ any algorithm (`selection=fedentopt algorithm=scaffold`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ class Client:
     state: dict  # persists between the rounds this client takes part in
     model: torch.nn.Module  # the actor's scratch instance of the configured model
     epochs: int = 1  # local epochs this round: `local.epochs`, or a straggler's draw
+    transform: Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = None  # batch augmentation
 
     @property
     def num_samples(self) -> int:

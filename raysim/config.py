@@ -47,6 +47,7 @@ class LocalConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
+    augment: bool = False  # colour images: colour jitter, horizontal flip, random greyscale (FedEntOpt's)
 
 
 @dataclass

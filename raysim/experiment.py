@@ -17,6 +17,9 @@ from raysim.models import build_model
 def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
     """Load the dataset, partition it and check that the model accepts its inputs."""
     data = load_dataset(cfg)
+    if cfg.local.augment and (data.norm is None or len(data.input_shape) != 3 or data.input_shape[0] != 3):
+        raise ConfigError(f"local.augment=true needs colour images (cifar10, cifar100, svhn, cinic10); "
+                          f"dataset {cfg.dataset!r} has inputs {data.input_shape}")
     n_classes = num_classes(cfg)
     part = make_partition(data.y_train, cfg, n_classes, data.users_train)
     try:

@@ -148,3 +148,20 @@ def test_wire_round_trip_keeps_tensors_and_arrays_apart():
     assert isinstance(back.update["w"], torch.Tensor) and torch.equal(back.update["w"], r.update["w"])
     assert isinstance(back.update["counts"], np.ndarray)
     assert back.cid == 3 and back.metrics == {"loss": 0.5}
+
+
+def test_colour_augment_flips_greys_and_keeps_the_standardisation():
+    from raysim.training import ColourAugment
+
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    aug = ColourAugment(mean, std, jitter=0.0, flip=1.0, grey=0.0)  # only flips
+    x = torch.randn(4, 3, 8, 8)
+    assert torch.allclose(aug(x.clamp(-1, 1), torch.Generator().manual_seed(0)), x.clamp(-1, 1).flip(-1), atol=1e-5)
+    grey = ColourAugment(mean, std, jitter=0.0, flip=0.0, grey=1.0)(x, torch.Generator().manual_seed(0))
+    raw = grey * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    assert torch.allclose(raw[:, 0], raw[:, 1], atol=1e-5) and torch.allclose(raw[:, 1], raw[:, 2], atol=1e-5)
+    full = ColourAugment(mean, std)
+    a, b = full(x, torch.Generator().manual_seed(3)), full(x, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and not torch.equal(a, full(x, torch.Generator().manual_seed(4)))
+    raw = a * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # pixels stay in [0, 1]

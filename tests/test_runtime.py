@@ -164,3 +164,26 @@ def test_fedentopt_picks_more_balanced_cohorts_than_random(ray_local, tmp_path):
     rnd, _ = mean_entropy("rnd", "random")
     assert labels == [5, 5, 5, 5]  # 5 single-label clients, 5 different labels every round
     assert ent > rnd
+
+
+def test_augmented_training_on_colour_images(ray_local, tmp_path):
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(folder / f, "wb") as fh:
+            pickle.dump({"data": rng.integers(0, 256, (40, 3072)).astype(np.uint8),
+                         "labels": rng.integers(0, 10, 40).tolist()}, fh)
+    common = ["dataset=cifar10", f"data_dir={tmp_path}", "download=false", "model=cnn", "num_clients=8",
+              "partition=iid", "participation=0.5", "rounds=2"]
+    d1, _ = run(tmp_path, "aug", *common, "local.augment=true")
+    d2, _ = run(tmp_path, "aug2", *common, "local.augment=true")
+    d3, _ = run(tmp_path, "plain", *common)
+    m1, m2, m3 = (torch.load(d / "model.pt")["global"] for d in (d1, d2, d3))
+    assert all(torch.equal(m1[k], m2[k]) for k in m1)  # augmentation draws from the client's seed
+    assert not all(torch.equal(m1[k], m3[k]) for k in m1)  # ... and changes what is trained
+    assert main(["local.augment=true", f"output_dir={tmp_path}", "run_name=bad", "--quiet"]) == 2  # digits: grey

@@ -35,6 +35,7 @@ class FederatedData:
     num_classes: int
     users_train: Optional[np.ndarray] = None  # natural partition: owner id of each train sample
     users_test: Optional[np.ndarray] = None
+    norm: Optional[tuple] = None  # per-channel (mean, std) the images were standardised with
 
     @property
     def input_shape(self) -> tuple:
@@ -109,6 +110,7 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
         _normalise(test.data.numpy(), (mean,), (std,)),
         test.targets.numpy().astype(np.int64),
         10,
+        norm=((mean,), (std,)),
     )
 
 
@@ -169,7 +171,8 @@ def _cifar_data(name, tv_cls, folder, files, cfg, num_classes, label_key=None) -
         else:  # CIFAR-100 coarse labels sit in the same pickles as the fine ones
             with open(root / folder / split, "rb") as f:
                 ys.append(np.asarray(pickle.load(f, encoding="latin1")[label_key], np.int64))
-    return FederatedData(name, _normalise(train.data, mean, std), ys[0], _normalise(test.data, mean, std), ys[1], num_classes)
+    return FederatedData(name, _normalise(train.data, mean, std), ys[0], _normalise(test.data, mean, std), ys[1],
+                         num_classes, norm=(mean, std))
 
 
 @DATASETS.register("cifar10")
@@ -229,7 +232,8 @@ class SVHN:
         mean, std = (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)
         # torchvision keeps SVHN as (N, C, H, W) uint8 already
         return FederatedData("svhn", _normalise(train.data.transpose(0, 2, 3, 1), mean, std), train.labels.astype(np.int64),
-                             _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10)
+                             _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10,
+                             norm=(mean, std))
 
 
 CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -270,7 +274,7 @@ class CINIC10:
         mean, std = (0.4789, 0.4723, 0.4305), (0.2421, 0.2383, 0.2587)
         return FederatedData("cinic10", _normalise(np.concatenate([t[0] for t in train]), mean, std),
                              np.concatenate([t[1] for t in train]),
-                             _normalise(arrays["test"][0], mean, std), arrays["test"][1], 10)
+                             _normalise(arrays["test"][0], mean, std), arrays["test"][1], 10, norm=(mean, std))
 
 
 # --------------------------------------------------------------------------- offline data

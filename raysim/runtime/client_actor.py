@@ -23,7 +23,7 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime.placement import num_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.training import seed_for
+from raysim.training import ColourAugment, seed_for
 
 
 class DataNotAttached(RuntimeError):
@@ -42,7 +42,7 @@ class ClientActor:
         self.x = None
         _warm_up(self.device)
 
-    def _attach(self, data_refs: list, num_classes: int) -> None:
+    def _attach(self, data_refs: list, num_classes: int, norm: Optional[tuple]) -> None:
         """Map the training arrays (zero-copy from the object store; copied once to the GPU
         when the actor has one) and build the plugins and the scratch model. Runs on the
         first call, and again on the first call after Ray restarted this actor."""
@@ -59,6 +59,7 @@ class ClientActor:
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
+        self.transform = ColourAugment(*norm) if self.cfg.local.augment else None
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
             group: int, payload, *states):
@@ -68,7 +69,7 @@ class ClientActor:
         small updates, one per client for big ones) and, for a plugin with
         `client_state = True`, then each client's new state as its own object (see
         `FederatedServer.run_clients`). `data` = ([train arrays ref, train index ref],
-        num_classes) on the first call to this actor and the first after a restart, else
+        num_classes, normalisation) on the first call to this actor and the first after a restart, else
         None: references cost a little on every call that carries them."""
         if data is not None:
             self._attach(*data)
@@ -92,7 +93,7 @@ class ClientActor:
             client = Client(
                 cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
                 device=self.device, generator=torch.Generator().manual_seed(seed),
-                state=unpack(state) if state else {}, model=self.model, epochs=n_epochs,
+                state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
             )
             t0 = time.perf_counter()
             result = fn(client, payload)

@@ -59,7 +59,8 @@ class FederatedServer:
             for a in self.actors:
                 ray.kill(a)
             raise
-        self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)], num_classes)
+        self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
+                            num_classes, data.norm)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
