@@ -113,8 +113,8 @@ class FederatedServer:
         iterator over the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
         epochs = {c: int(self.cfg.local.epochs) for c in cids}
-        if method == "client_update":  # system heterogeneity applies to training calls
-            cids, epochs = self._system_effects(rnd, cids, epochs)
+        if method == "client_update" and (self.cfg.system.dropout > 0 or self.stragglers):
+            cids, epochs = self._system_effects(rnd, cids, epochs)  # training calls only
         size = nbytes(payload)
         self._bytes[0] += size * len(cids)
         # A big payload goes to the object store once and every task gets the reference;
