@@ -67,7 +67,8 @@ class RayConfig:
 
 @dataclass
 class SystemConfig:
-    """System heterogeneity, for any algorithm (FedEntOpt's robustness runs)."""
+    """System heterogeneity, for any algorithm (FedEntOpt's robustness runs). Stragglers
+    vary the number of epochs, so they have no effect when `local.steps` is set."""
 
     dropout: float = 0.0  # probability that a selected client does not return its update
     stragglers: float = 0.0  # fraction of all clients that are stragglers (drawn once from the seed)
