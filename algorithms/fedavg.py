@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
@@ -21,15 +20,15 @@ class FedAvg(Algorithm):
         return {"weights": cpu_state(self.model)}
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        mean, losses = WeightedMean(), WeightedMean()
+        mean, loss_sum = WeightedMean(), 0.0
         for r in results:
             mean.add(r.update, r.num_samples)
-            losses.add({"loss": torch.tensor(r.metrics["loss"])}, r.num_samples)
+            loss_sum += r.metrics["loss"] * r.num_samples
         new = mean.result(self.model.state_dict())
-        if new is not None:  # every client dropped out: keep the model
-            self.apply(new)
-        loss = losses.result({"loss": torch.tensor(0.0, dtype=torch.float64)})
-        return {"train_loss": float(loss["loss"])} if loss else {}
+        if new is None:  # every client dropped out: keep the model
+            return {}
+        self.apply(new)
+        return {"train_loss": loss_sum / mean.total}
 
     def apply(self, averaged: dict) -> None:
         """Take the averaged weights as the new global model (FedAvgM overrides)."""

@@ -90,6 +90,7 @@ class FedEntOpt(LabelCountSelection):
         self.epsilon = float(cfg.fedentopt.epsilon)
         self.buffer_size = int(cfg.fedentopt.buffer * num_clients)
         self.buffer: deque[int] = deque()
+        self._last: list[int] = []
 
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
         buffered = set(self.buffer)
@@ -110,7 +111,7 @@ class FedEntOpt(LabelCountSelection):
 
     def round_metrics(self) -> dict:
         """Entropy of the cohort's summed counts as the server sees them (noisy under DP)."""
-        return {"selection_entropy": float(label_entropy(self.counts[self._last].sum(0)))} if hasattr(self, "_last") else {}
+        return {"selection_entropy": float(label_entropy(self.counts[self._last].sum(0)))} if self._last else {}
 
 
 @SELECTIONS.register("kl")

@@ -5,7 +5,7 @@ MOON, FedRS, ... change the loss, not the loop.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -187,15 +187,6 @@ class WeightedMean:
             return None
         return {k: (v / self.total).to(like[k].dtype) if like[k].is_floating_point() else v.to(like[k].dtype)
                 for k, v in self.acc.items()}
-
-
-def weighted_mean(states: Iterable[tuple[dict[str, torch.Tensor], float]]) -> Optional[dict[str, torch.Tensor]]:
-    """Sample-weighted mean of (state, weight) pairs, in the order given."""
-    acc, first = WeightedMean(), None
-    for state, w in states:
-        first = first or state
-        acc.add(state, w)
-    return acc.result(first) if first is not None else None
 
 
 def nbytes(obj) -> int:

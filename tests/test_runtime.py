@@ -187,3 +187,15 @@ def test_augmented_training_on_colour_images(ray_local, tmp_path):
     assert all(torch.equal(m1[k], m2[k]) for k in m1)  # augmentation draws from the client's seed
     assert not all(torch.equal(m1[k], m3[k]) for k in m1)  # ... and changes what is trained
     assert main(["local.augment=true", f"output_dir={tmp_path}", "run_name=bad", "--quiet"]) == 2  # digits: grey
+
+
+def test_placement_balances_work_and_keeps_id_order():
+    from raysim.runtime import placement
+
+    work = {c: 10 for c in range(10)}
+    work[0] = 50  # a straggler with five times the work
+    runs = placement.assign(list(range(10)), work, 2, one_per_client=False)
+    assert [c for _, chunk in runs for c in chunk] == list(range(10))  # contiguous, in id order
+    loads = [sum(work[c] for c in chunk) for _, chunk in runs]
+    assert len(runs) == 2 and loads == [70, 70]  # total 140; five clients each would be 90 | 50
+    assert placement.assign([3, 7], work, 4, one_per_client=True) == [(3, [3]), (7, [7])]

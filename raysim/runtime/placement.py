@@ -9,6 +9,7 @@ actor i (the literal one-process-per-client model). Results never depend on plac
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import numpy as np
 from omegaconf import DictConfig
@@ -27,18 +28,18 @@ def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int
     return max(1, min([n, *fits]))
 
 
-def assign(cids: list[int], work: np.ndarray, n_actors: int, one_per_client: bool) -> list[tuple[int, list[int]]]:
+def assign(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_client: bool) -> list[tuple[int, list[int]]]:
     """Split the sorted cohort `cids` into (actor index, client ids) runs of similar total
-    `work` (e.g. samples per client); contiguous so results can be folded in id order."""
+    `work[cid]` (samples x epochs); contiguous so results can be folded in id order."""
     cids = sorted(cids)
     if one_per_client:
         return [(c, [c]) for c in cids]
     if not cids:
         return []
     w = np.asarray([work[c] for c in cids], dtype=np.float64)
-    bounds = np.cumsum(w) / w.sum() * min(n_actors, len(cids))
-    # client j goes to the chunk its cumulative work midpoint falls in
-    chunk = np.minimum(((bounds - w / w.sum() * min(n_actors, len(cids)) / 2)).astype(int), n_actors - 1)
+    share = w / w.sum() * min(n_actors, len(cids))  # in units of one actor's fair load
+    midpoint = np.cumsum(share) - share / 2  # a client goes to the actor its midpoint falls in
+    chunk = np.minimum(midpoint.astype(int), n_actors - 1)
     out: dict[int, list[int]] = {}
     for c, a in zip(cids, chunk):
         out.setdefault(int(a), []).append(c)

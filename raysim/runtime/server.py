@@ -121,7 +121,7 @@ class FederatedServer:
         # a small one is cheaper inlined in each task (Ray inlines arguments under 100 KB).
         payload_arg = ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
         stateful = bool(getattr(self.plugins[on], "client_state", False))
-        work = self.sizes * max(1, int(self.cfg.local.epochs))
+        work = {c: int(self.sizes[c]) * epochs[c] for c in cids}  # stragglers weigh more
         # Results come back in groups of about FETCH_BYTES (judged by the payload, about the
         # size of an update): one object for many small updates, one per client for big ones.
         group = max(1, int(FETCH_BYTES // max(size, 1)))
