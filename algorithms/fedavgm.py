@@ -32,6 +32,13 @@ class FedAvgM(FedAvg):
         super().setup(server)
         self.velocity: dict[str, torch.Tensor] = {}
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "velocity": dict(self.velocity)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.velocity = dict(state["velocity"])
+
     def apply(self, averaged: dict) -> None:
         c = self.cfg.fedavgm
         state = self.model.state_dict()

@@ -109,6 +109,12 @@ class FedEntOpt(LabelCountSelection):
         self._last = chosen
         return chosen
 
+    def state_dict(self) -> dict:
+        return {"buffer": list(self.buffer), "last": list(self._last)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer, self._last = deque(state["buffer"]), list(state["last"])
+
     def round_metrics(self) -> dict:
         """Entropy of the cohort's summed counts as the server sees them (noisy under DP)."""
         return {"selection_entropy": float(label_entropy(self.counts[self._last].sum(0)))} if self._last else {}

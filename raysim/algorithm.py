@@ -114,8 +114,15 @@ class Algorithm:
         return {}
 
     def state_dict(self) -> dict:
-        """Server state to save with the run (the final model)."""
+        """Server state: saved as the run's final model and in its checkpoints. Override
+        (with `load_state_dict`) when the server keeps more than its evaluated models, e.g.
+        momentum buffers; tensors and plain containers keep checkpoints safe to load."""
         return {name: m.state_dict() for name, m in self.eval_models().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (resuming a run from its checkpoint)."""
+        for name, m in self.eval_models().items():
+            m.load_state_dict(state[name])
 
     # ---- client half -------------------------------------------------------------
     def client_update(self, client: Client, payload: Any) -> ClientResult:
@@ -143,3 +150,10 @@ class Selection:
     def round_metrics(self) -> dict:
         """Extra per-round metrics about the last selection (e.g. cohort entropy)."""
         return {}
+
+    def state_dict(self) -> dict:
+        """What the strategy carries from round to round (checkpointed); `setup` rebuilds the rest."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

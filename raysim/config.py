@@ -77,11 +77,13 @@ class SystemConfig:
 
 @dataclass
 class FaultsConfig:
-    """Fault injection for tests and drills: the actor training `crash_client` in round
-    `crash_round` exits its process (a real actor death)."""
+    """Fault injection for tests, drills and research on unreliable clients. Every death is
+    a real one: the client actor's process exits (`os._exit`) and Ray restarts it."""
 
-    crash_round: int = -1
+    crash_round: int = -1  # with crash_client: the actor training this client in this round dies
     crash_client: int = -1
+    kill_fraction: float = 0.0  # this share of the client actors dies in each of `kill_rounds`
+    kill_rounds: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +109,8 @@ class Config:
     system: SystemConfig = field(default_factory=SystemConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
+    checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
+    resume: Optional[str] = None  # a run directory: continue that run from its checkpoint
 
 
 # Plugin kinds whose registered classes may declare a `Config` dataclass section.
@@ -195,11 +199,33 @@ Layers = list  # [(source name, plain dict)], lowest priority first
 
 def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:
     """Read default.yaml, the given files and the overrides into plain dicts, without the
-    schema (so without importing any plugin, torch included): the CLI process stays light."""
+    schema (so without importing any plugin, torch included): the CLI process stays light.
+    With `resume=RUN_DIR` the run's own config.yaml is the only file (see `resume_layers`)."""
+    over = _parse_overrides(overrides)
+    if over.get("resume") is not None:
+        return resume_layers(str(over["resume"]), list(config_files), over)
     layers = [(str(DEFAULT_YAML), _read_yaml(str(DEFAULT_YAML)))] if use_default and DEFAULT_YAML.is_file() else []
     layers += [(f, _read_yaml(f)) for f in config_files]
-    layers.append(("the command-line overrides", _parse_overrides(overrides)))
+    layers.append(("the command-line overrides", over))
     return layers
+
+
+# What may change when a run is resumed: how long it runs and where, not what it computes.
+RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume")
+
+
+def resume_layers(run_dir: str, config_files: list, overrides: dict) -> Layers:
+    """The layers of a resumed run: its saved config.yaml, then the overrides that may change."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume={run_dir!r}: no run there ({saved} not found)")
+    if config_files:
+        raise ConfigError("resume: --config files cannot be combined with resume; the run's own config.yaml is used")
+    changed = sorted(k for k in overrides if k not in RESUMABLE_KEYS)
+    if changed:
+        raise ConfigError(f"resume: {', '.join(changed)} cannot change when resuming (the run's config is {saved}); "
+                          f"only rounds, checkpoint_every, ray.* and resources.* can")
+    return [(str(saved), _read_yaml(str(saved))), ("the command-line overrides", overrides)]
 
 
 def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
@@ -213,8 +239,9 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
         cfg = _merge(cfg, data, source)
     validate(cfg)
     if cwd is not None:
-        for key in ("data_dir", "output_dir"):
-            cfg[key] = str(Path(cwd, cfg[key]))
+        for key in ("data_dir", "output_dir", "resume"):
+            if cfg[key] is not None:
+                cfg[key] = str(Path(cwd, cfg[key]))
     return cfg
 
 
@@ -286,6 +313,10 @@ def validate(cfg: DictConfig) -> None:
     se = list(sy.straggler_epochs)
     need(len(se) == 2 and 1 <= se[0] <= se[1],
          f"system.straggler_epochs must be [lo, hi] with 1 <= lo <= hi, got {se}")
+    need(cfg.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
+    fa = cfg.faults
+    need(0 <= fa.kill_fraction <= 1, f"faults.kill_fraction must be in [0, 1], got {fa.kill_fraction}")
+    need(all(r >= 1 for r in fa.kill_rounds), f"faults.kill_rounds must be round numbers >= 1, got {list(fa.kill_rounds)}")
     r = cfg.resources
     cpa = r.clients_per_actor
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),

@@ -75,13 +75,14 @@ def launch(layers: list, t_start: float, progress: bool = True) -> dict:
             from tqdm import tqdm
 
             bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
-        for rnd in range(1, info["rounds"] + 1):
+            bar.update(info["start_round"] - 1)
+        for rnd in range(info["start_round"], info["rounds"] + 1):
             row = ray.get(driver.step.remote(rnd))
             if bar is not None:
                 if row.get("accuracy") is not None:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
-        return ray.get(driver.finish.remote(time.time() - t_start))
+        return ray.get(driver.finish.remote())
     except BaseException:  # a crash or Ctrl-C: keep the metrics of the rounds that ran
         try:
             ray.get(driver.flush.remote(), timeout=30)

@@ -117,7 +117,7 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
             time.sleep(0.2)
     assert server.step(2)["dropped"] == 6  # clients 0-5 reached the restarted actor without data
     assert server.step(3)["dropped"] == 0  # ... which got the data with this call
-    server.finish(1.0)
+    server.finish()
 
 
 def test_a_bug_stops_the_run_and_keeps_the_rounds_that_ran(ray_local, tmp_path):

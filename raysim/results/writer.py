@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -32,13 +33,21 @@ def summarize(rows: list[dict], wall_seconds: float, client_updates: int, first_
 
 
 class RunWriter:
-    def __init__(self, run_dir: Path, config_yaml: str):
+    """Writes one run directory. `resume_round`: reopen an existing one, keeping its
+    metrics up to that round (the checkpoint's) and dropping any later ones."""
+
+    def __init__(self, run_dir: Path, config_yaml: str, resume_round: int | None = None):
         self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=False)
+        self.dir.mkdir(parents=True, exist_ok=resume_round is not None)
         (self.dir / "config.yaml").write_text(config_yaml)
         self.log_file = open(self.dir / "log.txt", "a", buffering=1)
         self.rows: list[dict] = []
         self.client_rows: list[dict] = []
+        if resume_round is not None:
+            for rows, name in ((self.rows, "metrics.parquet"), (self.client_rows, "clients.parquet")):
+                if (self.dir / name).is_file():
+                    rows.extend(r for r in pq.read_table(self.dir / name).to_pylist() if r["round"] <= resume_round)
+            self.log(f"resumed after round {resume_round}")
 
     def log(self, line: str) -> None:
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -57,7 +66,9 @@ class RunWriter:
         for rows, name in ((self.rows, "metrics.parquet"), (self.client_rows, "clients.parquet")):
             if rows:
                 keys = list(dict.fromkeys(k for r in rows for k in r))  # rows may differ in keys
-                pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), self.dir / name)
+                tmp = self.dir / (name + ".tmp")  # replaced atomically: a kill mid-write keeps the old file
+                pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp)
+                os.replace(tmp, self.dir / name)
 
     def finish(self, summary: dict, model_state: dict) -> None:
         self.flush_tables()

@@ -107,8 +107,12 @@ class ClientActor:
         out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
         return tuple(out) if len(out) > 1 else out[0]
 
+    def die(self) -> None:
+        """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
+        os._exit(1)
+
     def device_info(self) -> dict:
-        info = {"device": str(self.device), "pid": os.getpid()}
+        info = {"device": str(self.device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
@@ -122,15 +126,15 @@ def _warm_up(device: torch.device) -> None:
     torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()
 
 
-def start_client_actors(cfg) -> list:
+def start_client_actors(cfg, run: str) -> list:
     """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
-    share and GPU fraction, restarted by Ray if its process dies."""
+    share and GPU fraction, spread over the cluster's nodes, named `raysim-client-<i>.<run>`
+    (the Dashboard's actor view), restarted by Ray if its process dies."""
     res = cfg.resources
     total = ray.cluster_resources()
     n = num_actors(cfg, total.get("CPU", 1), total.get("GPU", 0))
-    cls = ray.remote(ClientActor).options(
-        num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
-        max_restarts=-1, max_task_retries=0,
-    )
+    options = dict(num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
+                   max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
+    cls = ray.remote(ClientActor)
     plain = OmegaConf.to_container(cfg)
-    return [cls.remote(plain) for _ in range(n)]
+    return [cls.options(name=f"raysim-client-{i}.{run}", **options).remote(plain) for i in range(n)]

@@ -22,8 +22,8 @@ class ServerDriver:
     def step(self, rnd: int) -> dict:
         return self.server.step(rnd)
 
-    def finish(self, wall_seconds: float) -> dict:
-        return self.server.finish(wall_seconds)
+    def finish(self) -> dict:
+        return self.server.finish()
 
     def flush(self) -> None:
         self.server.flush()

@@ -11,12 +11,15 @@ run directory, and implements the `Server` calls an algorithm uses:
   A task whose actor died is a dropout for its clients this round (recorded); Ray
   restarts the actor, which maps its data again on its next call.
 
-It also owns the data (put in the object store once) and the client actors.
+It also owns the data (put in the object store once), the client actors, checkpoints
+(`checkpoint_every`, `resume=<run dir>`: see checkpoint.py), the injected faults
+(`faults.*`) and the run's metrics: the run directory's tables and Ray's metrics (observe.py).
 """
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -30,7 +33,8 @@ from raysim.experiment import prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
-from raysim.runtime import placement
+from raysim.runtime import checkpoint, placement
+from raysim.runtime.observe import RayMetrics
 from raysim.runtime.client_actor import DataNotAttached, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
@@ -50,9 +54,17 @@ class FederatedServer:
         put the data in the object store and create the run directory (the client actors
         start meanwhile). Input problems raise `ConfigError` before anything is written."""
         self.cfg = resolve(layers, cwd)
-        run_dir = run_dir_for(self.cfg)
+        ckpt = None
+        if self.cfg.resume:
+            run_dir = Path(self.cfg.resume)
+            ckpt, safe = checkpoint.load(run_dir)
+            if ckpt["round"] > int(self.cfg.rounds):
+                raise ConfigError(f"resume: rounds={self.cfg.rounds} but the checkpoint in {run_dir} is after "
+                                  f"round {ckpt['round']}; give rounds >= {ckpt['round']}")
+        else:
+            run_dir = run_dir_for(self.cfg)
         # The client actors start now, while the data loads: each needs ~1.5 s for torch.
-        self.actors = start_client_actors(self.cfg)
+        self.actors = start_client_actors(self.cfg, run_dir.name)
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:
@@ -74,8 +86,11 @@ class FederatedServer:
         self.n_actors = len(self.actors)
         self.one_per_client = self.cfg.resources.clients_per_actor == 1
 
-        self.writer = RunWriter(run_dir, to_yaml(self.cfg))
+        saved = self.cfg.copy()
+        saved.resume = None  # config.yaml describes the run, wherever it was resumed from
+        self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=ckpt["round"] if ckpt else None)
         self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
+        self.metrics = RayMetrics(run_dir.name)
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
@@ -85,11 +100,18 @@ class FederatedServer:
         self._attached: set[int] = set()  # actors that have been sent the data references
         self._states: dict[int, ray.ObjectRef] = {}  # client id -> its state, owned by this actor
         self._bytes = [0, 0]  # down, up
+        self._timing = {"select": 0.0, "broadcast": 0.0, "train": 0.0}  # this round's, see step()
+        self._killed_in: Optional[int] = None  # the last round faults.kill_* struck
         self.client_updates = 0
         self.first_round_seconds: Optional[float] = None
         self.selection.setup(self)
         self.algorithm.setup(self)
-        return {"rounds": int(self.cfg.rounds), "run_dir": str(run_dir),
+        self.start_round = 1
+        if ckpt is not None:
+            self._restore(ckpt)
+            self.writer.log(f"checkpoint of round {ckpt['round']} loaded "
+                            f"({'weights only' if safe else 'full unpickler: it holds non-tensor objects'})")
+        return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(run_dir),
                 "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
                           f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
                           f"{self.cfg.rounds} rounds, {self.n_actors} client actors"}
@@ -103,14 +125,17 @@ class FederatedServer:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
+        t0 = time.perf_counter()
         k = clients_per_round(self.cfg) if k is None else k
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
+        self._timing["select"] += time.perf_counter() - t0
         return self._selected
 
     def run_clients(self, rnd: int, cids: list[int], payload: Any, method: str = "client_update",
                     on: str = "algorithm") -> Iterator[ClientResult]:
         """Submits every task now (so several cohorts can train at once) and returns an
         iterator over the results in client-id order; dropped clients are skipped."""
+        t0 = time.perf_counter()
         cids = sorted(int(c) for c in cids)
         epochs = {c: int(self.cfg.local.epochs) for c in cids}
         if method == "client_update" and (self.cfg.system.dropout > 0 or self.stragglers):
@@ -127,6 +152,8 @@ class FederatedServer:
         group = max(1, int(FETCH_BYTES // max(size, 1)))
         calls = []
         self._await_restarts()
+        if method == "client_update" and rnd in self.cfg.faults.kill_rounds and self._killed_in != rnd:
+            self._kill_actors(rnd)
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
             states = [self._states.get(c) for c in chunk] if stateful else []
             n_groups = -(-len(chunk) // group)
@@ -137,7 +164,21 @@ class FederatedServer:
                 data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, payload_arg, *states)
             refs = [refs] if n_returns == 1 else list(refs)
             calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
+        self._timing["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs)
+
+    def _kill_actors(self, rnd: int) -> None:
+        """Fault injection: `faults.kill_fraction` of the client actors, drawn from (seed,
+        round), exit their processes now; their clients this round are recorded as dropped
+        and Ray restarts them for the next round."""
+        self._killed_in = rnd
+        n = int(round(float(self.cfg.faults.kill_fraction) * self.n_actors))
+        victims = sorted(self.rng(rnd, 5).choice(self.n_actors, n, replace=False).tolist())
+        for a in victims:
+            self.actors[a].die.remote()  # runs before any task sent after it; those then fail
+            self._attached.discard(a)
+            self._restarting.add(a)
+        self.writer.log(f"round {rnd}: fault injection kills client actors {victims}")
 
     def _system_effects(self, rnd: int, cids: list[int], epochs: dict) -> tuple[list[int], dict]:
         """Simulated dropout (the client never returns; recorded, not trained) and
@@ -166,6 +207,7 @@ class FederatedServer:
     def _collect(self, rnd: int, method: str, calls: list, epochs: dict) -> Iterator[ClientResult]:
         for a, chunk, group_refs, state_refs in calls:
             results = []
+            t0 = time.perf_counter()
             try:
                 results = ray.get(group_refs[0])  # all of a task's objects arrive together
             except (ray.exceptions.RayActorError, DataNotAttached) as e:
@@ -177,10 +219,14 @@ class FederatedServer:
                     self._record(rnd, c, method, "dropped", reason="actor_died", epochs=epochs[c])
                 self.writer.log(f"round {rnd}: actor {a} lost clients {chunk}: {type(e).__name__}; dropped")
                 continue
+            finally:
+                self._timing["train"] += time.perf_counter() - t0
             next_group = 1
             for j, c in enumerate(chunk):
                 if not results:
+                    t0 = time.perf_counter()
                     results = ray.get(group_refs[next_group])
+                    self._timing["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
                 if state_refs:
@@ -210,6 +256,8 @@ class FederatedServer:
         t0 = time.time()
         self._round_records = []
         self._selected = None
+        self._timing = dict.fromkeys(self._timing, 0.0)
+        bytes_before = list(self._bytes)
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
         row: dict = {"round": rnd}
@@ -230,18 +278,63 @@ class FederatedServer:
             "dropped": len(self._round_records) - len(ok),
             "bytes_down": self._bytes[0],
             "bytes_up": self._bytes[1],
-            "seconds": t_train,  # the round's training, without evaluation
+            "seconds": t_train,  # the round without evaluation = the four parts below
+            # where the round's time went: selecting; preparing and sending the payload and
+            # tasks; waiting for client results; the server's own work (building the
+            # payload, aggregating) = the rest; then evaluation
+            **{f"{k}_seconds": v for k, v in self._timing.items()},
+            "aggregate_seconds": max(0.0, t_train - sum(self._timing.values())),
             "eval_seconds": time.time() - t0 - t_train,
             "elapsed": time.time() - self.t_start,
         })
         if self.first_round_seconds is None:
             self.first_round_seconds = time.time() - self.t_start
         self.writer.round(row, self._round_records)
+        self.metrics.record(row, self._bytes[0] - bytes_before[0], self._bytes[1] - bytes_before[1])
+        every = int(self.cfg.checkpoint_every)
+        if every and (rnd % every == 0 or rnd == int(self.cfg.rounds)):
+            self._checkpoint(rnd)
         return row
 
-    def finish(self, wall_seconds: float) -> dict:
-        summary = summarize(self.writer.rows, wall_seconds, self.client_updates, self.first_round_seconds or 0.0)
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, rnd: int) -> None:
+        """Metrics so far, then everything else a resumed run needs (see checkpoint.py)."""
+        t0 = time.time()
+        cids = sorted(self._states)
+        states = ray.get([self._states[c] for c in cids])
+        self.writer.flush_tables()
+        checkpoint.save(self.writer.dir, {
+            "round": rnd,
+            "algorithm": self.algorithm.state_dict(),
+            "selection": self.selection.state_dict(),
+            "client_states": {c: unpack(s) for c, s in zip(cids, states)},
+            "torch_rng": torch.get_rng_state(),
+            "bytes": list(self._bytes),
+            "client_updates": self.client_updates,
+            "elapsed": time.time() - self.t_start,
+            "first_round_seconds": self.first_round_seconds,
+        })
+        self.writer.log(f"checkpoint after round {rnd} ({len(cids)} client states, {time.time() - t0:.2f} s)")
+
+    def _restore(self, ckpt: dict) -> None:
+        self.algorithm.load_state_dict(ckpt["algorithm"])
+        self.selection.load_state_dict(ckpt["selection"])
+        self._states = {int(c): ray.put(pack(s)) for c, s in ckpt["client_states"].items()}
+        torch.set_rng_state(ckpt["torch_rng"])
+        self._bytes = list(ckpt["bytes"])
+        self.client_updates = int(ckpt["client_updates"])
+        self.t_start -= float(ckpt["elapsed"])  # elapsed time goes on from where it stopped
+        self.first_round_seconds = ckpt["first_round_seconds"]
+        self.start_round = int(ckpt["round"]) + 1
+
+    def finish(self) -> dict:
+        summary = summarize(self.writer.rows, time.time() - self.t_start, self.client_updates,
+                            self.first_round_seconds or 0.0)
         summary["run_dir"] = str(self.writer.dir)
+        nodes: dict[str, int] = {}
+        for info in self.actor_info():
+            nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
+        summary["client_actor_nodes"] = nodes
         self.writer.finish(summary, self.algorithm.state_dict())
         return summary
 

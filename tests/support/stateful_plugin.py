@@ -24,3 +24,15 @@ class FailsInRound3(FedAvg):
         if client.round == 3:
             raise ValueError("bug in round 3")
         return super().client_update(client, payload)
+
+
+@ALGORITHMS.register("test_slow_state_counter")
+class SlowStateCounter(StateCounter):
+    """The state counter with a slow server (0.4 s per aggregation), so that a test can
+    kill a run between two rounds; the numbers are StateCounter's."""
+
+    def aggregate(self, rnd, results):
+        import time
+
+        time.sleep(0.4)
+        return super().aggregate(rnd, results)

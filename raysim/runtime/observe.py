@@ -1,0 +1,41 @@
+"""The platform's metrics through Ray's metrics API, tagged with the run name.
+
+Ray exports them, with its own, on every node's Prometheus endpoint (`ray_raysim_*`), which
+the Dashboard's Metrics view (Grafana) and any Prometheus server read.
+"""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge
+
+
+class RayMetrics:
+    def __init__(self, run: str):
+        self.tags = {"run": run}
+        keys = ("run",)
+        self.rounds = Counter("raysim_rounds_done", "Rounds completed", tag_keys=keys)
+        self.updates = Counter("raysim_client_updates", "Client updates received", tag_keys=keys)
+        self.dropped = Counter("raysim_clients_dropped", "Selected clients that returned nothing "
+                               "(dropout or a dead client actor)", tag_keys=keys)
+        self.bytes_down = Counter("raysim_bytes_down", "Bytes sent to clients", tag_keys=keys)
+        self.bytes_up = Counter("raysim_bytes_up", "Bytes received from clients", tag_keys=keys)
+        self.round_seconds = Gauge("raysim_round_seconds", "Duration of the last round, evaluation included",
+                                   tag_keys=keys)
+        self.round = Gauge("raysim_round", "The last round completed", tag_keys=keys)
+        self.accuracy = Gauge("raysim_accuracy", "Accuracy at the last evaluation", tag_keys=keys)
+
+    def record(self, row: dict, down: int, up: int) -> None:
+        """One round's row (see FederatedServer.step) and its bytes down and up."""
+        t = self.tags
+        self.rounds.inc(1, tags=t)
+        self.round.set(row["round"], tags=t)
+        if row["clients"] > row["dropped"]:
+            self.updates.inc(row["clients"] - row["dropped"], tags=t)
+        if row["dropped"]:
+            self.dropped.inc(row["dropped"], tags=t)
+        if down:
+            self.bytes_down.inc(down, tags=t)
+        if up:
+            self.bytes_up.inc(up, tags=t)
+        self.round_seconds.set(row["seconds"] + row["eval_seconds"], tags=t)
+        if row.get("accuracy") is not None:
+            self.accuracy.set(row["accuracy"], tags=t)
