@@ -1,7 +1,6 @@
 """Checkpoints and resume: the CLI process killed mid-run (SIGKILL, taking its own local
 Ray with it), then `resume=<run dir>` ends with the same model, metrics and client states
 as an uninterrupted run."""
-import os
 import signal
 import subprocess
 import sys
