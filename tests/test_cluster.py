@@ -1,0 +1,126 @@
+"""A real 2-node Ray cluster on one machine (`ray start --head` + `ray start --address`,
+each node with its own resources): client actors land on both nodes, results equal a
+one-node run, and the platform's metrics are read back from Ray's metrics endpoints."""
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import psutil
+import pytest
+import torch
+
+from raysim.run import main
+
+RUN = ["dataset=digits", "model=mlp", "num_clients=12", "participation=0.5", "rounds=8", "local.epochs=1",
+       "local.batch_size=16", "resources.clients_per_actor=3", "plugins=[stateful_plugin]",
+       "algorithm=test_slow_state_counter", "--quiet"]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _kill_marked(marker: str) -> None:
+    """Stop every process of this cluster (and only those: `ray stop` would also stop the
+    test session's own Ray): they all inherited the marker in their environment."""
+    mine, tag = [], f"RAYSIM_TEST_CLUSTER={marker}".encode()
+    for p in psutil.process_iter():
+        try:  # read /proc directly: psutil's environ() comes back empty for Ray's renamed agents
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if tag in f.read().split(b"\0"):
+                    mine.append(p)
+        except OSError:
+            pass
+    for p in mine:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(mine, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    marker = secrets.token_hex(8)
+    temp = tempfile.mkdtemp(prefix="rs2n", dir="/tmp")  # short: Ray's socket paths live under it
+    env = dict(os.environ, RAYSIM_TEST_CLUSTER=marker, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+               RAY_metrics_report_interval_ms="1000")
+    env.pop("RAY_ADDRESS", None)
+    gcs, client, m_head, m_worker, a_head, a_worker = _free_ports(6)
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=2", "--disable-usage-stats"]
+    try:
+        subprocess.run([*start, "--head", f"--port={gcs}", "--include-dashboard=false", f"--temp-dir={temp}",
+                        f"--ray-client-server-port={client}", '--resources={"head_node": 1}',
+                        f"--metrics-export-port={m_head}", f"--dashboard-agent-listen-port={a_head}"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([*start, f"--address=127.0.0.1:{gcs}", '--resources={"worker_node": 1}',
+                        f"--metrics-export-port={m_worker}", f"--dashboard-agent-listen-port={a_worker}"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        yield {"address": f"127.0.0.1:{gcs}", "env": env, "metrics_ports": [m_head, m_worker]}
+    finally:
+        _kill_marked(marker)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _scrape(ports: list[int]) -> str:
+    text = []
+    for port in ports:
+        try:
+            text.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        except OSError:
+            pass
+    return "\n".join(text)
+
+
+def _value(text: str, name: str, run: str) -> float | None:
+    """The largest sample of metric `name` for this run across the scraped endpoints."""
+    values = [float(m.group(1)) for m in re.finditer(rf'^{name}{{[^}}]*run="{run}"[^}}]*}} (\S+)$', text, re.M)]
+    return max(values) if values else None
+
+
+def test_two_node_run_spreads_actors_matches_one_node_and_exports_metrics(ray_local, two_nodes, tmp_path):
+    cmd = [sys.executable, "-m", "raysim.run", *RUN, f"ray.address={two_nodes['address']}",
+           f"output_dir={tmp_path}", "run_name=cluster"]
+    p = subprocess.Popen(cmd, env=two_nodes["env"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    seen: dict = {}
+    while p.poll() is None:  # read Ray's metrics endpoints while the run goes on
+        text = _scrape(two_nodes["metrics_ports"])
+        for name in ("ray_raysim_rounds_done_total", "ray_raysim_client_updates_total", "ray_raysim_bytes_up_total",
+                     "ray_raysim_accuracy", "ray_raysim_round_seconds"):
+            v = _value(text, name, "cluster")
+            if v is not None:
+                seen.setdefault(name, []).append(v)
+        time.sleep(0.5)
+    out, err = p.communicate()
+    assert p.returncode == 0, err[-3000:]
+
+    summary = json.loads((tmp_path / "cluster" / "summary.json").read_text())
+    assert len(summary["client_actor_nodes"]) == 2, summary["client_actor_nodes"]  # actors on both nodes
+    assert sum(summary["client_actor_nodes"].values()) == 4
+
+    # metrics came from Ray while the run was going on, and moved
+    rounds = seen.get("ray_raysim_rounds_done_total", [])
+    assert rounds and max(rounds) >= 3 and rounds == sorted(rounds), seen
+    assert max(seen["ray_raysim_client_updates_total"]) == 6 * max(rounds)  # 6 clients a round, none dropped
+    assert max(seen["ray_raysim_bytes_up_total"]) > 0
+    assert all(0 <= a <= 1 for a in seen["ray_raysim_accuracy"])
+
+    # the same run on one node (the test session's Ray, another number of actors)
+    assert main([*RUN, "resources.clients_per_actor=12", f"output_dir={tmp_path}", "run_name=one"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("cluster", "one"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
