@@ -53,6 +53,8 @@ class LocalConfig:
 @dataclass
 class ResourcesConfig:
     clients_per_actor: Any = "auto"  # "auto" (one actor per CPU share) or an int; 1 = actor per client
+    num_actors: Optional[int] = None  # this many client actors (wins over clients_per_actor); on an
+    # autoscaling cluster the autoscaler adds nodes until they fit
     num_cpus_per_actor: float = 1.0
     num_gpus_per_actor: float = 0.0
     torch_threads: int = 1  # torch intra-op threads in each client actor
@@ -321,6 +323,7 @@ def validate(cfg: DictConfig) -> None:
     cpa = r.clients_per_actor
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),
          f"resources.clients_per_actor must be 'auto' or an integer >= 1, got {cpa!r}")
+    need(r.num_actors is None or r.num_actors >= 1, f"resources.num_actors must be >= 1, got {r.num_actors}")
     need(r.num_cpus_per_actor >= 0, f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")

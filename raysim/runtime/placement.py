@@ -18,6 +18,8 @@ from omegaconf import DictConfig
 def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int:
     n = int(cfg.num_clients)
     r = cfg.resources
+    if r.num_actors is not None:  # an autoscaling cluster grows until they all fit
+        return min(n, int(r.num_actors))
     if r.clients_per_actor != "auto":
         return math.ceil(n / int(r.clients_per_actor))
     fits = []

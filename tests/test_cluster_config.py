@@ -1,0 +1,38 @@
+"""cluster.yaml and cluster-onprem.yaml against Ray's own cluster-config schema (the
+`ray-schema.json` the launcher validates with), after Ray fills in its provider defaults."""
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-onprem.yaml"])
+def test_cluster_config_is_valid_for_ray_up(name):
+    config = yaml.safe_load((ROOT / name).read_text())
+    jsonschema.validate(config, SCHEMA)  # as written
+    validate_config(prepare_config(copy.deepcopy(config)))  # as `ray up` prepares it
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head  # the Dashboard is never opened to the world
+    assert any("pip install" in c and "~/raysim" in c for c in config["setup_commands"])
+
+
+def test_schema_rejects_a_misspelt_field():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    config["max_workerz"] = 3
+    with pytest.raises(jsonschema.ValidationError, match="max_workerz"):
+        jsonschema.validate(config, SCHEMA)
+
+
+def test_cloud_config_has_autoscaling_gpu_workers():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    workers = [t for n, t in config["available_node_types"].items() if n != config["head_node_type"]]
+    assert workers and all(t.get("min_workers", 0) == 0 and t["max_workers"] >= 1 for t in workers)
+    assert config["available_node_types"][config["head_node_type"]]["resources"] == {"CPU": 0}
