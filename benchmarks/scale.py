@@ -1,0 +1,153 @@
+"""Scale: start-up time, per-round overhead and memory from 100 to 100,000 simulated
+clients, and throughput with 1, 2 and 4 client actors, each next to the plain sequential
+torch loop of throughput.py doing the same work in one process.
+
+    python benchmarks/scale.py                              # all of it (~5 min on 2 cores)
+    python benchmarks/scale.py --clients 100 1000 --actors 1 2
+
+Every configuration runs as fresh processes (`python -m raysim.run ...` with its own local
+Ray, and the sequential loop), with the summed RSS of each process tree sampled every
+0.1 s (throughput.py's `run_measured`). Small model on purpose (logistic regression on
+FedProx Synthetic data, 25 samples per client): what grows with the number of clients is
+the platform's own cost, not training.
+
+- start-up: seconds from process start to the start of round 1 (imports, Ray, data
+  generation and partitioning, client actors);
+- s/round: median over rounds 2.. of the round's time without evaluation; 100 clients
+  selected per round;
+- overhead/client: (round time - clients' own training time / actors) / clients per round,
+  what the runtime adds to each client update;
+- memory: peak summed RSS (Ray's processes included); per extra client between scales.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import throughput as tp  # noqa: E402  (the sequential loop and the RSS sampler)
+
+SMALL = ["dataset=synthetic", "synthetic.samples_per_client=25", "synthetic.test_fraction=0.2", "partition=natural",
+         "model=mclr", "clients_per_round=100", "local.batch_size=10", "local.lr=0.01", "local.momentum=0"]
+# the actors sweep: more work per client (250 samples), so that workers have something to share
+WORK = ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.test_fraction=0.2", "partition=natural",
+        "model=mclr", "num_clients=1000", "clients_per_round=100", "local.batch_size=10", "local.lr=0.01",
+        "local.momentum=0", "rounds=8"]
+
+
+def _register(clients: list[int]) -> None:
+    """Add this script's workloads to throughput.py's table (its sequential loop reads them)."""
+    for n in clients:
+        tp.WORKLOADS[f"scale-{n}"] = [*SMALL, f"num_clients={n}", "rounds=6"]
+    tp.WORKLOADS["actors"] = WORK
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(tp.ROOT), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1")
+
+
+def run_raysim(name: str, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", *tp.overrides(name), *extra, f"output_dir={tmp}",
+               "run_name=r"]
+        r, peak = tp.run_measured(cmd, _env())
+        if r.returncode != 0:
+            raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
+        d = Path(tmp) / "r"
+        rows = pq.read_table(d / "metrics.parquet").to_pylist()
+        clients = pq.read_table(d / "clients.parquet").to_pylist()
+        actors = int((d / "log.txt").read_text().split(" client actors")[0].split()[-1])
+    first = rows[0]
+    later = rows[1:]
+    work = {r["round"]: 0.0 for r in rows}
+    for c in clients:
+        work[c["round"]] += c["seconds"] or 0.0
+    overhead = [(r["seconds"] - work[r["round"]] / actors) / r["clients"] for r in later]
+    return {
+        "actors": actors,
+        "startup_seconds": first["elapsed"] - first["seconds"] - first["eval_seconds"],
+        "round_seconds": statistics.median(r["seconds"] for r in later),
+        "overhead_per_client": statistics.median(overhead),
+        "breakdown": {k: statistics.median(r[f"{k}_seconds"] for r in later)
+                      for k in ("select", "broadcast", "train", "aggregate")},
+        "clients_per_round": first["clients"],
+        "peak_rss": peak[0],
+    }
+
+
+def run_sequential(name: str) -> dict:
+    r, peak = tp.run_measured([sys.executable, str(Path(__file__).resolve()), "--sequential", name], _env())
+    if r.returncode != 0:
+        raise SystemExit(f"sequential run failed:\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    first = out["round_seconds"][0]
+    return {"startup_seconds": out["seconds_to_end_of_round_1"] - first,
+            "round_seconds": statistics.median(out["round_seconds"][1:]), "peak_rss": peak[0]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", nargs="*", type=int, default=[100, 1000, 10000, 100000])
+    p.add_argument("--actors", nargs="*", type=int, default=[1, 2, 4])
+    p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help="also write the raw measurements here")
+    args = p.parse_args()
+    _register(args.clients)
+    if args.sequential:
+        _register([int(args.sequential.split("-")[1])] if args.sequential.startswith("scale-") else [])
+        print(json.dumps(tp.sequential(args.sequential)))
+        return 0
+    print(f"host: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, python {sys.version.split()[0]}")
+    results: dict = {"clients": {}, "actors": {}}
+
+    if args.clients:
+        print("\n== scale: FedAvg, mclr on FedProx Synthetic (25 samples/client), 100 clients per round, 6 rounds, "
+              "2 client actors")
+        print(f"{'clients':>8} {'start-up s':>11} {'(seq)':>7} {'s/round':>8} {'(seq)':>7} {'speed':>6} "
+              f"{'overhead':>12} {'peak RSS MB':>12} {'(seq)':>7} {'per extra client':>17}")
+        prev = None
+        for n in args.clients:
+            r, s = run_raysim(f"scale-{n}", []), run_sequential(f"scale-{n}")
+            results["clients"][n] = {"raysim": r, "sequential": s}
+            extra = f"{(r['peak_rss'] - prev[1]) / (n - prev[0]) / 1024:>13.1f} KiB" if prev else f"{'':>17}"
+            print(f"{n:>8} {r['startup_seconds']:>11.2f} {s['startup_seconds']:>7.2f} {r['round_seconds']:>8.4f} "
+                  f"{s['round_seconds']:>7.4f} {s['round_seconds'] / r['round_seconds']:>5.2f}x "
+                  f"{r['overhead_per_client'] * 1e3:>7.3f} ms/cl {r['peak_rss'] / 2**20:>12.0f} "
+                  f"{s['peak_rss'] / 2**20:>7.0f} {extra}", flush=True)
+            prev = (n, r["peak_rss"])
+        print("(speed: sequential s/round / raysim s/round; overhead: what raysim adds per client update)")
+        last = results["clients"][args.clients[-1]]["raysim"]["breakdown"]
+        print(f"round breakdown at {args.clients[-1]} clients (median s): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in last.items()))
+
+    if args.actors:
+        print(f"\n== actors: FedAvg, mclr on FedProx Synthetic (250 samples/client), 1,000 clients, 100 per round, "
+              f"8 rounds; 0.5 CPU per actor")
+        s = run_sequential("actors")
+        results["actors"]["sequential"] = s
+        print(f"{'actors':>8} {'s/round':>8} {'updates/s':>10} {'vs sequential':>14} {'vs 1 actor':>11}")
+        print(f"{'seq':>8} {s['round_seconds']:>8.4f} {100 / s['round_seconds']:>10.1f}")
+        base = None
+        for k in args.actors:
+            r = run_raysim("actors", [f"resources.num_actors={k}", "resources.num_cpus_per_actor=0.5"])
+            results["actors"][k] = r
+            base = base or r["round_seconds"]
+            print(f"{k:>8} {r['round_seconds']:>8.4f} {100 / r['round_seconds']:>10.1f} "
+                  f"{s['round_seconds'] / r['round_seconds']:>13.2f}x {base / r['round_seconds']:>10.2f}x", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
