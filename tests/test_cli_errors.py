@@ -75,3 +75,16 @@ def test_every_shipped_config_file_loads():
     assert len(files) > 10
     for f in files:
         load_config([str(f)])  # raises ConfigError on a bad key or value
+
+
+def test_resume_errors_name_the_run_and_the_key(tmp_path):
+    r = cli(["resume=nowhere"], tmp_path)
+    assert r.returncode == 2 and "resume='nowhere': no run there" in r.stderr and "Traceback" not in r.stderr
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.yaml").write_text("rounds: 3\n")
+    r = cli([f"resume={old}", "seed=3"], tmp_path)
+    assert r.returncode == 2 and "resume: seed cannot change when resuming" in r.stderr
+    r = cli([f"resume={old}"], tmp_path)  # a run without a checkpoint
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no checkpoint" in r.stderr, r.stderr
+    assert sorted(p.name for p in old.iterdir()) == ["config.yaml"]  # nothing written
