@@ -63,17 +63,19 @@ class SGD:
 
 
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
-              epochs: Optional[int] = None, steps: Optional[int] = None) -> dict:
+              epochs: Optional[int] = None, steps: Optional[int] = None,
+              on_gradients: Optional[Callable[[], None]] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
     decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
     which differs from `local.epochs` for stragglers). Batches come from the client's
-    generator, so the result depends only on (seed, round, client id).
-    Returns {"loss": mean training loss, "steps": number of SGD steps}."""
+    generator, so the result depends only on (seed, round, client id). `on_gradients`
+    runs between backward and the step (SCAFFOLD corrects the gradients there).
+    Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
     steps = int(loc.steps) if steps is None else steps
-    opt = SGD(model.parameters(), lr=round_lr(loc, client.round), momentum=float(loc.momentum),
-              weight_decay=float(loc.weight_decay))
+    lr = round_lr(loc, client.round)
+    opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
     n, bs = client.num_samples, int(loc.batch_size)
     skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one
     model.train()
@@ -90,15 +92,27 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
                 xb = client.transform(xb, client.generator)
             loss = loss_fn(model, xb, client.y[idx])
             loss.backward()
+            if on_gradients is not None:
+                on_gradients()
             opt.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
             done += 1
             if steps and done >= steps:
-                return {"loss": total / max(count, 1), "steps": done}
+                return {"loss": total / max(count, 1), "steps": done, "lr": lr}
         epochs -= 1
         if not steps and epochs <= 0:
-            return {"loss": total / max(count, 1), "steps": done}
+            return {"loss": total / max(count, 1), "steps": done, "lr": lr}
+
+
+def effective_steps(steps: int, momentum: float) -> float:
+    """How many plain-SGD steps `steps` heavy-ball steps amount to (FedNova's a_i):
+    (tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho); = tau when rho = 0. x - y is about
+    lr * effective_steps * (mean gradient) after a run of local SGD."""
+    if momentum == 0:
+        return float(steps)
+    rho = float(momentum)
+    return (steps - rho * (1 - rho ** steps) / (1 - rho)) / (1 - rho)
 
 
 class ColourAugment:

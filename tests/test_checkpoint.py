@@ -104,3 +104,18 @@ def test_fault_injection_kills_actors_and_the_run_goes_on(ray_local, tmp_path):
     m = pq.read_table(d / "metrics.parquet").to_pylist()
     assert [r["dropped"] for r in m] == [0, 6, 0, 0]  # the killed actors came back for round 3
     assert "fault injection kills client actors" in (d / "log.txt").read_text()
+
+
+def test_stateful_algorithm_with_fedentopt_and_stragglers_resumes_exactly(ray_local, tmp_path):
+    """SCAFFOLD's server variate and clients' variates, FedEntOpt's buffer and the
+    stragglers' draws all come back: 2 rounds + resume to 4 = 4 rounds straight."""
+    common = ["algorithm=scaffold", "selection=fedentopt", "system.stragglers=0.5", "dataset=digits", "model=mlp",
+              "num_clients=10", "participation=0.3", "checkpoint_every=2", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=2", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=4", "resources.clients_per_actor=10", "--quiet"]) == 0
+    assert main([*common, "rounds=4", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("part", "whole"))
+    for part in ("global", "c"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in b[part]), part
+    ma, mb = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("part", "whole"))
+    assert [r["selected"] for r in ma] == [r["selected"] for r in mb]

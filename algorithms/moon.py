@@ -1,0 +1,103 @@
+"""MOON (Li, He and Song 2021): model-contrastive federated learning.
+
+The network is the configured model's encoder, then a projection head (Linear(f, f),
+ReLU, Linear(f, out_dim)), then a linear classifier on the projection z. The local loss is
+
+    CE(classifier(z), y) + mu * l_con,
+    l_con = -log( exp(sim(z, z_glob)/T) / (exp(sim(z, z_glob)/T) + exp(sim(z, z_prev)/T)) )
+
+with sim the cosine similarity, z_glob from the global model received this round and
+z_prev from the client's own model after its previous round (client state), both frozen.
+A client's first round has no previous model: the global one stands in (the paper's code
+starts every client's previous model at the common initial weights), so l_con is the
+constant log 2 and the round is FedAvg's. Aggregation is FedAvg's, over all parts.
+Defaults mu = 1, T = 0.5, out_dim = 256 (the paper's code).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raysim.algorithm import Client, ClientResult, Server
+from raysim.config import ConfigError
+from raysim.models import EncoderHead, build_model
+from raysim.registry import ALGORITHMS
+from raysim.training import cpu_state, local_sgd
+
+from algorithms.fedavg import FedAvg
+
+
+@dataclass
+class MoonConfig:
+    mu: float = 1.0  # weight of the contrastive term
+    temperature: float = 0.5
+    out_dim: int = 256  # projection size
+
+
+def with_projection(base: EncoderHead, out_dim: int, num_classes: int) -> EncoderHead:
+    """base.encoder -> Linear(f, f) -> ReLU -> Linear(f, out_dim) -> classifier. Still an
+    `EncoderHead`, whose `encoder` now ends in the projection: z = model.encoder(x)."""
+    f = base.feature_dim
+    projection = nn.Sequential(nn.Linear(f, f), nn.ReLU(), nn.Linear(f, out_dim))
+    return EncoderHead(nn.Sequential(base.encoder, projection), out_dim, num_classes)
+
+
+def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean over the batch of -log(e^{sim(z,z_glob)/T} / (e^{sim(z,z_glob)/T} + e^{sim(z,z_prev)/T}))."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1) / temperature
+    neg = F.cosine_similarity(z, z_prev, dim=-1) / temperature
+    logits = torch.stack([pos, neg], dim=1)
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+@ALGORITHMS.register("moon")
+class Moon(FedAvg):
+    Config = MoonConfig
+    client_state = True  # the client's model after its previous round
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        c = cfg.moon
+        if c.mu < 0 or c.temperature <= 0 or c.out_dim < 1:
+            raise ConfigError(f"moon.mu must be >= 0, moon.temperature > 0 and moon.out_dim >= 1, "
+                              f"got {c.mu}, {c.temperature}, {c.out_dim}")
+
+    def build(self, base: EncoderHead) -> EncoderHead:
+        return with_projection(base, int(self.cfg.moon.out_dim), self.num_classes)
+
+    # ---- server ----
+    def setup(self, server: Server) -> None:
+        self.model = self.build(server.new_model())  # seeded: the projection's init follows the base's
+
+    # ---- client ----
+    def _nets(self, client: Client) -> list[EncoderHead]:
+        """Three scratch networks per actor (trained, global, previous), built once."""
+        if getattr(self, "_scratch", None) is None:
+            shape = tuple(client.x.shape[1:])
+            self._scratch = [self.build(build_model(self.cfg.model, shape, self.num_classes)).to(client.device)
+                             for _ in range(3)]
+        return self._scratch
+
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        net, glob, prev = self._nets(client)
+        net.load_state_dict(payload["weights"])
+        glob.load_state_dict(payload["weights"])
+        prev.load_state_dict(client.state.get("prev", payload["weights"]))
+        glob.eval()
+        prev.eval()
+        c = self.cfg.moon
+        mu, t = float(c.mu), float(c.temperature)
+
+        def loss(model, x, y):
+            z = model.encoder(x)
+            with torch.no_grad():
+                z_glob, z_prev = glob.encoder(x), prev.encoder(x)
+            return F.cross_entropy(model.head(z), y) + mu * contrastive_loss(z, z_glob, z_prev, t)
+
+        stats = local_sgd(client, net, loss)
+        state = cpu_state(net)
+        client.state["prev"] = state
+        return ClientResult(client.cid, client.num_samples, state, stats)

@@ -1,0 +1,225 @@
+"""SCAFFOLD, FedNova, MOON, FedRS and FedLC against their definitions in ALGORITHMS.md,
+on models and tensors small enough to follow by hand."""
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from algorithms.fedavg import FedAvg
+from algorithms.fedlc import calibrated_logits
+from algorithms.fednova import FedNova
+from algorithms.fedrs import restricted_logits
+from algorithms.moon import Moon, contrastive_loss, with_projection
+from algorithms.scaffold import Scaffold
+from raysim.algorithm import Client, ClientResult
+from raysim.config import load_config
+from raysim.models import build_model
+from raysim.training import cpu_state, effective_steps
+
+PLAIN = ["local.momentum=0", "local.weight_decay=0", "local.lr=0.1"]
+
+
+def client_of(cfg, model, x, y, state=None, num_classes=2):
+    return Client(0, 1, cfg, x, y, num_classes, torch.device("cpu"), torch.Generator().manual_seed(0),
+                  state if state is not None else {}, model, epochs=int(cfg.local.epochs))
+
+
+def grad_at(weights: dict, x, y) -> dict:
+    """The full-batch cross-entropy gradient of a Linear(2, 2) with these weights."""
+    m = torch.nn.Linear(2, 2)
+    m.load_state_dict(weights)
+    F.cross_entropy(m(x), y).backward()
+    return {"weight": m.weight.grad.clone(), "bias": m.bias.grad.clone()}
+
+
+def data():
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
+    return x, torch.tensor([0, 1, 1, 0])
+
+
+# --------------------------------------------------------------------------- SCAFFOLD
+def test_scaffold_corrected_steps_and_control_variate_option_ii():
+    """Two full-batch steps from x with c and c_i given: y1 = x - lr (g(x) - c_i + c),
+    y2 = y1 - lr (g(y1) - c_i + c); c_i+ = c_i - c + (x - y2) / (2 lr) = (g(x) + g(y1)) / 2."""
+    cfg = load_config(overrides=[*PLAIN, "algorithm=scaffold", "local.steps=2", "local.batch_size=4"])
+    x_data, y_data = data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    x = cpu_state(model)
+    c = {"weight": torch.tensor([[0.1, -0.2], [0.0, 0.3]]), "bias": torch.tensor([0.05, -0.05])}
+    c_i = {"weight": torch.tensor([[-0.1, 0.1], [0.2, 0.0]]), "bias": torch.tensor([0.0, 0.1])}
+    lr = 0.1
+    g0 = grad_at(x, x_data, y_data)
+    y1 = {k: x[k] - lr * (g0[k] - c_i[k] + c[k]) for k in x}
+    g1 = grad_at(y1, x_data, y_data)
+    y2 = {k: y1[k] - lr * (g1[k] - c_i[k] + c[k]) for k in x}
+
+    client = client_of(cfg, model, x_data, y_data, state={"c": c_i})
+    res = Scaffold(cfg, 2, (2,)).client_update(client, {"weights": x, "c": c})
+    for k in x:
+        assert torch.allclose(res.update["dy"][k], y2[k] - x[k], atol=1e-6), k
+        c_new = c_i[k] - c[k] + (x[k] - y2[k]) / (2 * lr)
+        assert torch.allclose(client.state["c"][k], c_new, atol=1e-5), k
+        assert torch.allclose(client.state["c"][k], (g0[k] + g1[k]) / 2, atol=1e-5), k  # the same, simplified
+        assert torch.allclose(res.update["dc"][k], c_new - c_i[k], atol=1e-5), k
+
+
+def test_scaffold_counts_momentum_steps_as_effective_steps():
+    # with momentum rho the variate divides by FedNova's effective step count, = K at rho = 0
+    assert effective_steps(3, 0.0) == 3.0
+    assert math.isclose(effective_steps(3, 0.5), 3 + 2 * 0.5 + 0.5 ** 2)  # g, g(1+rho), g(1+rho+rho^2)
+    assert math.isclose(effective_steps(1, 0.9), 1.0)
+
+
+class FixedServer:
+    num_clients = 4
+
+    def new_model(self):
+        m = torch.nn.Linear(1, 1)
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+            m.bias.fill_(0.0)
+        return m
+
+
+def test_scaffold_server_averages_dy_by_samples_and_adds_sum_dc_over_n():
+    cfg = load_config(overrides=["algorithm=scaffold"])
+    algo = Scaffold(cfg, 1, (1,))
+    algo.setup(FixedServer())
+    algo.c = {"weight": torch.tensor([[1.0]]), "bias": torch.tensor([0.0])}
+    t = torch.tensor
+    res = [ClientResult(0, 10, {"dy": {"weight": t([[2.0]]), "bias": t([1.0])},
+                                "dc": {"weight": t([[4.0]]), "bias": t([0.0])}, "buffers": {}}, {"loss": 1.0}),
+           ClientResult(2, 30, {"dy": {"weight": t([[-2.0]]), "bias": t([5.0])},
+                                "dc": {"weight": t([[8.0]]), "bias": t([-4.0])}, "buffers": {}}, {"loss": 1.0})]
+    algo.aggregate(1, iter(res))
+    assert torch.allclose(algo.model.weight, t([[1.0 + (10 * 2 - 30 * 2) / 40]]))  # x + weighted mean dy = 0
+    assert torch.allclose(algo.model.bias, t([(10 * 1 + 30 * 5) / 40]))
+    assert torch.allclose(algo.c["weight"], t([[1.0 + (4 + 8) / 4]]))  # N = 4 clients in all, 2 returned
+    assert torch.allclose(algo.c["bias"], t([-4 / 4]))
+
+
+# --------------------------------------------------------------------------- FedNova
+def test_fednova_aggregate_with_unequal_local_steps():
+    """x - tau_eff * sum p_i d_i, tau_eff = sum p_i a_i."""
+    algo = FedNova(load_config(overrides=["algorithm=fednova"]), 1, (1,))
+    algo.setup(FixedServer())
+    t = torch.tensor
+    # client 0: 10 samples, 2 steps, d = [1]; client 1: 30 samples, 6 steps, d = [-1]
+    res = [ClientResult(0, 10, {"d": {"weight": t([[1.0]]), "bias": t([2.0])}, "a": 2.0}, {"loss": 0.0}),
+           ClientResult(1, 30, {"d": {"weight": t([[-1.0]]), "bias": t([0.0])}, "a": 6.0}, {"loss": 0.0})]
+    out = algo.aggregate(1, iter(res))
+    tau_eff = (10 * 2 + 30 * 6) / 40  # 5
+    assert out["tau_eff"] == tau_eff
+    assert torch.allclose(algo.model.weight, t([[1.0 - tau_eff * (10 * 1 - 30 * 1) / 40]]))  # 1 + 2.5
+    assert torch.allclose(algo.model.bias, t([0.0 - tau_eff * (10 * 2) / 40]))  # -2.5
+
+
+def test_fednova_client_normalises_by_its_steps_and_equals_fedavg_when_steps_are_equal():
+    x_data, y_data = data()
+    for momentum in (0.0, 0.9):
+        cfg = load_config(overrides=[f"local.momentum={momentum}", "local.weight_decay=0", "local.lr=0.1",
+                                     "local.batch_size=2", "local.epochs=2", "algorithm=fednova"])
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2)
+        x = cpu_state(model)
+        nova = FedNova(cfg, 2, (2,)).client_update(client_of(cfg, model, x_data, y_data), {"weights": x})
+        a = effective_steps(4, momentum)  # 2 epochs of 2 batches
+        assert nova.update["a"] == a
+        avg = FedAvg(cfg, 2, (2,)).client_update(client_of(cfg, model, x_data, y_data), {"weights": x})
+        for k in x:  # the same training: d = (x - y) / a
+            assert torch.allclose(nova.update["d"][k], (x[k] - avg.update[k]) / a, atol=1e-6)
+    # two clients with the same a: FedNova's aggregate is FedAvg's
+    t = torch.tensor
+    ys = [(10, t([[3.0]]), t([1.0])), (30, t([[-1.0]]), t([2.0]))]
+    nova, avg = FedNova(cfg, 1, (1,)), FedAvg(cfg, 1, (1,))
+    nova.setup(FixedServer())
+    avg.setup(FixedServer())
+    a = 3.0
+    nova.aggregate(1, iter([ClientResult(i, n, {"d": {"weight": (1.0 - w) / a, "bias": (0.0 - b) / a}, "a": a},
+                                         {"loss": 0.0}) for i, (n, w, b) in enumerate(ys)]))
+    avg.aggregate(1, iter([ClientResult(i, n, {"weight": w, "bias": b}, {"loss": 0.0}) for i, (n, w, b) in enumerate(ys)]))
+    assert torch.allclose(nova.model.weight, avg.model.weight) and torch.allclose(nova.model.bias, avg.model.bias)
+
+
+# --------------------------------------------------------------------------- MOON
+def test_moon_contrastive_loss_on_given_representations():
+    z = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    z_glob = torch.tensor([[2.0, 0.0], [1.0, 0.0]])  # cos: 1, 1/sqrt(2)
+    z_prev = torch.tensor([[0.0, 3.0], [-1.0, -1.0]])  # cos: 0, -1
+    T = 0.5
+    row0 = -math.log(math.exp(1 / T) / (math.exp(1 / T) + math.exp(0 / T)))
+    row1 = -math.log(math.exp(2 ** -0.5 / T) / (math.exp(2 ** -0.5 / T) + math.exp(-1 / T)))
+    assert math.isclose(float(contrastive_loss(z, z_glob, z_prev, T)), (row0 + row1) / 2, rel_tol=1e-6)
+
+
+def test_moon_network_and_first_and_later_rounds():
+    cfg = load_config(overrides=["algorithm=moon", "moon.out_dim=8", "local.epochs=2", "local.batch_size=16"])
+    base = build_model("mlp", (1, 8, 8), 10)
+    net = with_projection(base, 8, 10)
+    x = torch.randn(5, 1, 8, 8)
+    assert net.encoder(x).shape == (5, 8) and torch.equal(net(x), net.head(net.encoder(x)))
+
+    g = torch.Generator().manual_seed(0)
+    x_data, y_data = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
+    moon = Moon(cfg, 10, (1, 8, 8))
+    torch.manual_seed(0)
+    start = cpu_state(moon.build(build_model("mlp", (1, 8, 8), 10)))
+    # first round: no previous model, the global one stands in, l_con = log 2 is constant: FedAvg's step
+    c1 = client_of(cfg, None, x_data, y_data, num_classes=10)
+    r1 = moon.client_update(c1, {"weights": start})
+    plain = moon.build(build_model("mlp", (1, 8, 8), 10))
+    c_plain = client_of(cfg, plain, x_data, y_data, num_classes=10)
+    r_plain = FedAvg(cfg, 10, (1, 8, 8)).client_update(c_plain, {"weights": start})
+    assert all(torch.allclose(r1.update[k], r_plain.update[k], atol=1e-6) for k in start)
+    assert all(torch.equal(c1.state["prev"][k], r1.update[k]) for k in start)  # the client keeps its model
+    # a later round: the previous model differs from the global one, the contrastive term acts
+    c2 = client_of(cfg, None, x_data, y_data, state=c1.state, num_classes=10)
+    c2.round = 2
+    r2 = moon.client_update(c2, {"weights": start})
+    c_plain2 = client_of(cfg, plain, x_data, y_data, num_classes=10)
+    c_plain2.round = 2
+    r_plain2 = FedAvg(cfg, 10, (1, 8, 8)).client_update(c_plain2, {"weights": start})
+    assert not all(torch.allclose(r2.update[k], r_plain2.update[k], atol=1e-6) for k in start)
+
+
+# --------------------------------------------------------------------------- FedRS, FedLC
+def test_fedrs_scales_the_logits_of_absent_classes():
+    logits = torch.tensor([[1.0, 2.0, 3.0, -4.0], [0.5, -1.0, 0.0, 2.0]])
+    present = torch.tensor([True, False, True, False])
+    out = restricted_logits(logits, present, 0.5)
+    assert torch.equal(out, torch.tensor([[1.0, 1.0, 3.0, -2.0], [0.5, -0.5, 0.0, 1.0]]))
+    assert torch.equal(restricted_logits(logits, present, 1.0), logits)  # alpha = 1: FedAvg
+
+
+def test_fedlc_calibrates_logits_by_class_counts():
+    logits = torch.zeros(2, 3)
+    counts = torch.tensor([16.0, 1.0, 0.0])
+    out = calibrated_logits(logits, counts, tau=2.0)
+    expected = torch.tensor([-2 * 16 ** -0.25, -2.0, -2 * 1e-8 ** -0.25])  # -1, -2, -200
+    assert torch.allclose(out, expected.expand(2, 3))
+    assert torch.equal(calibrated_logits(logits + 1, counts, tau=0.0), logits + 1)
+
+
+def test_fedrs_and_fedlc_train_with_their_losses():
+    """The client half really uses the restricted / calibrated softmax: a client holding only
+    classes {0, 1} of 3 moves the absent class's row less than FedAvg would."""
+    g = torch.Generator().manual_seed(0)
+    x_data = torch.randn(30, 4, generator=g)
+    y_data = torch.randint(0, 2, (30,), generator=g)
+    cfg = load_config(overrides=["local.epochs=3", "local.batch_size=10", "fedrs.alpha=0.1", "fedlc.tau=1.0"])
+    from algorithms.fedlc import FedLC
+    from algorithms.fedrs import FedRS
+
+    def moved(algo_cls):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        start = cpu_state(model)
+        res = algo_cls(cfg, 3, (4,)).client_update(client_of(cfg, model, x_data, y_data, num_classes=3),
+                                                   {"weights": start})
+        return float((res.update["weight"][2] - start["weight"][2]).norm())
+
+    assert moved(FedRS) < 0.5 * moved(FedAvg)
+    assert moved(FedLC) < 0.5 * moved(FedAvg)
+    assert np.isfinite(moved(FedLC))
