@@ -199,3 +199,14 @@ def test_placement_balances_work_and_keeps_id_order():
     loads = [sum(work[c] for c in chunk) for _, chunk in runs]
     assert len(runs) == 2 and loads == [70, 70]  # total 140; five clients each would be 90 | 50
     assert placement.assign([3, 7], work, 4, one_per_client=True) == [(3, [3]), (7, [7])]
+
+
+def test_fednova_normalises_by_the_steps_stragglers_take(ray_local, tmp_path):
+    common = ["algorithm=fednova", "num_clients=10", "participation=0.5", "rounds=3", "local.epochs=1"]
+    d, _ = run(tmp_path, "nova-slow", *common, "system.stragglers=0.5", "system.straggler_epochs=[2,4]")
+    d0, _ = run(tmp_path, "nova", *common)
+    slow = [r["tau_eff"] for r in pq.read_table(d / "metrics.parquet").to_pylist()]
+    plain = [r["tau_eff"] for r in pq.read_table(d0 / "metrics.parquet").to_pylist()]
+    assert all(s > p for s, p in zip(slow, plain))  # stragglers' extra epochs raise the effective step count
+    rows = pq.read_table(d / "clients.parquet").to_pylist()
+    assert {r["epochs"] for r in rows if r["straggler"]} - {1}  # some stragglers really took more epochs
