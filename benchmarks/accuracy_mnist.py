@@ -37,20 +37,26 @@ def write_idx(path: Path, arr: np.ndarray) -> None:
     path.write_bytes(header + arr.astype(np.uint8).tobytes())
 
 
+def write_split(source: Path, data_dir: Path) -> None:
+    """MNIST's 10,000 test images from `source`, split 8,000 / 2,000 into train / test and
+    written in MNIST's own IDX format under `data_dir/MNIST/raw/` for raysim's loader."""
+    images = read_idx(source / "t10k-images-idx3-ubyte.gz")
+    labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
+    raw = data_dir / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    write_idx(raw / "train-images-idx3-ubyte", images[:8000])
+    write_idx(raw / "train-labels-idx1-ubyte", labels[:8000])
+    write_idx(raw / "t10k-images-idx3-ubyte", images[8000:])
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels[8000:])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist-t10k")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
-    images = read_idx(args.mnist_dir / "t10k-images-idx3-ubyte.gz")
-    labels = read_idx(args.mnist_dir / "t10k-labels-idx1-ubyte.gz")
     with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "data" / "MNIST" / "raw"
-        raw.mkdir(parents=True)
-        write_idx(raw / "train-images-idx3-ubyte", images[:8000])
-        write_idx(raw / "train-labels-idx1-ubyte", labels[:8000])
-        write_idx(raw / "t10k-images-idx3-ubyte", images[8000:])
-        write_idx(raw / "t10k-labels-idx1-ubyte", labels[8000:])
+        write_split(args.mnist_dir, Path(tmp) / "data")
         common = ["dataset=mnist", f"data_dir={tmp}/data", "download=false", "model=cnn", "partition=dirichlet",
                   "partition.beta=0.5", "num_clients=20", "participation=0.5", f"rounds={args.rounds}",
                   "local.epochs=1", "local.batch_size=32", "local.lr=0.05", f"output_dir={tmp}/runs", "--quiet"]

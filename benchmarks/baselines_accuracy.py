@@ -36,16 +36,9 @@ COMMON = ["partition=dirichlet", "partition.beta=0.1", "num_clients=20", "partic
 
 
 def mnist_dir(tmp: str, source: Path) -> list[str]:
-    from accuracy_mnist import read_idx, write_idx
+    from accuracy_mnist import write_split
 
-    images = read_idx(source / "t10k-images-idx3-ubyte.gz")
-    labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
-    raw = Path(tmp) / "data" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    write_idx(raw / "train-images-idx3-ubyte", images[:8000])
-    write_idx(raw / "train-labels-idx1-ubyte", labels[:8000])
-    write_idx(raw / "t10k-images-idx3-ubyte", images[8000:])
-    write_idx(raw / "t10k-labels-idx1-ubyte", labels[8000:])
+    write_split(source, Path(tmp) / "data")
     return ["dataset=mnist", f"data_dir={tmp}/data", "download=false", "model=cnn"]
 
 

@@ -131,8 +131,8 @@ def main() -> int:
               + ", ".join(f"{k} {v:.4f}" for k, v in last.items()))
 
     if args.actors:
-        print(f"\n== actors: FedAvg, mclr on FedProx Synthetic (250 samples/client), 1,000 clients, 100 per round, "
-              f"8 rounds; 0.5 CPU per actor")
+        print("\n== actors: FedAvg, mclr on FedProx Synthetic (250 samples/client), 1,000 clients, 100 per round, "
+              "8 rounds; 0.5 CPU per actor")
         s = run_sequential("actors")
         results["actors"]["sequential"] = s
         print(f"{'actors':>8} {'s/round':>8} {'updates/s':>10} {'vs sequential':>14} {'vs 1 actor':>11}")
