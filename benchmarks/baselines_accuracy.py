@@ -7,7 +7,7 @@ and FedProx, with random and with FedEntOpt selection, over several seeds.
 Data: scikit-learn's digits (real 8x8 scans, shipped with the install; MLP) or the 10,000
 MNIST test images in ../shared/data split 8,000 / 2,000 (written in MNIST's own IDX format
 for raysim's real loader; simple CNN). 20 clients, Dirichlet(0.1) label skew, half of them
-per round, 2 local epochs, SGD lr 0.05 momentum 0.9, each algorithm's default settings.
+per round, 2 local epochs, SGD momentum 0.9 (lr 0.05, `--lr`), each algorithm's defaults.
 For every algorithm x selection it prints the mean +- std of the last 10 evaluations of
 every seed pooled (3 seeds: 30 numbers), then the spread of the seeds' means. All runs
 share one local Ray started here; each is `raysim.run.main` as from the command line.
@@ -31,8 +31,7 @@ sys.path.insert(0, str(HERE))
 
 ALGORITHMS = ["fedavg", "fedprox", "scaffold", "fednova", "moon", "fedrs", "fedlc"]
 COMMON = ["partition=dirichlet", "partition.beta=0.1", "num_clients=20", "participation=0.5", "local.epochs=2",
-          "local.batch_size=32", "local.lr=0.05", "local.momentum=0.9", "eval_every=1", "checkpoint_every=0",
-          "--quiet"]
+          "local.batch_size=32", "local.momentum=0.9", "eval_every=1", "checkpoint_every=0", "--quiet"]
 
 
 def mnist_dir(tmp: str, source: Path) -> list[str]:
@@ -53,6 +52,7 @@ def main() -> int:
     p.add_argument("--mnist-dir", type=Path, default=HERE.parent.parent / "shared" / "data" / "mnist-t10k")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--lr", type=float, default=0.05, help="local SGD learning rate (NIID-Bench uses 0.01)")
     p.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
     p.add_argument("--selections", nargs="+", default=["random", "fedentopt"])
     args = p.parse_args()
@@ -61,7 +61,8 @@ def main() -> int:
     ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         data = mnist_dir(tmp, args.mnist_dir) if args.dataset == "mnist" else ["dataset=digits", "model=mlp"]
-        print(f"{args.dataset}, 20 clients, Dirichlet(0.1), 10 per round, {args.rounds} rounds, seeds {args.seeds}; "
+        print(f"{args.dataset}, 20 clients, Dirichlet(0.1), 10 per round, {args.rounds} rounds, lr {args.lr}, "
+              f"seeds {args.seeds}; "
               "last 10 evaluations of every seed pooled: mean +- std [min..max of the seeds' means]")
         print(f"{'algorithm':<10}" + "".join(f"{s:>34}" for s in args.selections))
         for algo in args.algorithms:
@@ -73,7 +74,8 @@ def main() -> int:
                     out = io.StringIO()
                     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):  # the CLI's own lines
                         code = run([*data, *COMMON, f"algorithm={algo}", f"selection={sel}", f"seed={seed}",
-                                    f"rounds={args.rounds}", f"output_dir={tmp}/runs", f"run_name={name}"])
+                                    f"rounds={args.rounds}", f"local.lr={args.lr}", f"output_dir={tmp}/runs",
+                                    f"run_name={name}"])
                     if code != 0:
                         raise SystemExit(f"{name} failed with exit code {code}:\n{out.getvalue()[-2000:]}")
                     acc = last10(Path(tmp) / "runs" / name)
