@@ -35,6 +35,7 @@ class ClientResult:
     num_samples: int
     update: Any = None
     metrics: dict = field(default_factory=dict)
+    state_changed: bool = True  # set by the runtime: False when the call left client.state as it was
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Client:
     num_classes: int
     device: torch.device
     generator: torch.Generator  # seeded from (seed, round, cid): the only randomness to use
-    state: dict  # persists between the rounds this client takes part in
+    state: dict  # persists between the rounds this client takes part in; assign to keys to change it
     model: torch.nn.Module  # the actor's scratch instance of the configured model
     epochs: int = 1  # local epochs this round: `local.epochs`, or a straggler's draw
     transform: Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = None  # batch augmentation
@@ -68,6 +69,8 @@ class Server(Protocol):
     cfg: DictConfig
     num_clients: int
     num_classes: int
+    input_shape: tuple
+    input_range: tuple  # (smallest, largest) input value in the test set, e.g. for probe inputs
 
     def new_model(self) -> torch.nn.Module: ...
 

@@ -95,13 +95,17 @@ class ClientActor:
                 device=self.device, generator=torch.Generator().manual_seed(seed),
                 state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
             )
+            before = {k: id(v) for k, v in client.state.items()}
             t0 = time.perf_counter()
             result = fn(client, payload)
             result.metrics.setdefault("seconds", time.perf_counter() - t0)
-            results.append(pack(result))
             if stateful:
-                new_states.append(pack(client.state) if client.state else None)
-            elif client.state:
+                # a state the call did not touch is not sent back: the driver keeps its reference
+                # (big cached state, e.g. FedConcat's features, is not copied every round)
+                result.state_changed = {k: id(v) for k, v in client.state.items()} != before
+                new_states.append(pack(client.state) if client.state and result.state_changed else None)
+            results.append(pack(result))
+            if not stateful and client.state:
                 raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                    "client_state = True, so the state would be lost")
         out = [results[i:i + group] for i in range(0, len(results), group)] + new_states

@@ -74,6 +74,7 @@ class FederatedServer:
         self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
                             num_classes, data.norm)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
+        self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         self.num_clients = int(self.cfg.num_clients)
@@ -229,7 +230,7 @@ class FederatedServer:
                     self._timing["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
-                if state_refs:
+                if state_refs and result.state_changed:
                     self._states[c] = state_refs[j]
                 self._bytes[1] += nbytes(result.update)
                 self.client_updates += 1
