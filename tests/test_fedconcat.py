@@ -104,3 +104,18 @@ def test_features_once_per_client_bytes_match_parameter_sizes_and_actor_count_do
     assert main([*[c.replace("fedconcat", "fedconcat_id") for c in common], "run_name=id"]) == 0
     m_id = pq.read_table(tmp_path / "id" / "metrics.parquet").to_pylist()
     assert m_id[0]["bytes_up"] == 12 * model_bytes(full) + 6 * model_bytes(full)
+
+
+def test_fedconcat_resumes_in_the_classifier_stage_to_the_same_model(ray_local, tmp_path):
+    common = ["algorithm=fedconcat", "dataset=digits", "model=mlp", "partition=classes", "partition.k=2",
+              "num_clients=10", "participation=0.5", "fedconcat.encoder_rounds=2", "fedconcat.clusters=2",
+              "local.epochs=1", "checkpoint_every=3", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=3", "run_name=part"]) == 0  # checkpoint after the first classifier round
+    assert main([f"resume={tmp_path / 'part'}", "rounds=5", "--quiet"]) == 0
+    assert main([*common, "rounds=5", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("part", "whole"))
+    assert torch.equal(a["classifier"]["weight"], b["classifier"]["weight"])
+    rows = pq.read_table(tmp_path / "part" / "clients.parquet").to_pylist()
+    assert sum(r["method"] == "cache_features" for r in rows) == 10  # the features came back with the checkpoint
+    ma, mb = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("part", "whole"))
+    assert [r["round_bytes_down"] for r in ma] == [r["round_bytes_down"] for r in mb]

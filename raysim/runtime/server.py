@@ -277,8 +277,10 @@ class FederatedServer:
         row.update({
             "clients": len(self._round_records),
             "dropped": len(self._round_records) - len(ok),
-            "bytes_down": self._bytes[0],
+            "bytes_down": self._bytes[0],  # cumulative, from the start of the run
             "bytes_up": self._bytes[1],
+            "round_bytes_down": self._bytes[0] - bytes_before[0],  # this round's (setup's only in the totals)
+            "round_bytes_up": self._bytes[1] - bytes_before[1],
             "seconds": t_train,  # the round without evaluation = the four parts below
             # where the round's time went: selecting; preparing and sending the payload and
             # tasks; waiting for client results; the server's own work (building the
