@@ -206,9 +206,9 @@ class FedConcat(Algorithm):
     def _classifier_round(self, rnd: int, server: Server) -> dict:
         """Stage 3: the selected clients without features get the encoders first (in the
         first classifier round: everyone), then the classifier trains on cached features."""
-        missing = [c for c in range(self.num_clients) if c not in self.cached] if not self.cached else []
         cohort = server.select_clients(rnd)
-        missing += [c for c in cohort if c not in self.cached and c not in missing]
+        wanted = cohort if self.cached else range(self.num_clients)  # first classifier round: everyone
+        missing = [c for c in wanted if c not in self.cached]
         if missing:
             encoders = [cpu_state(e) for e in self.concat.encoders]
             for r in server.run_clients(rnd, missing, {"encoders": encoders}, method="cache_features"):
@@ -268,9 +268,9 @@ class FedConcat(Algorithm):
     def _scratch_concat(self, client: Client, k: int) -> ConcatModel:
         if getattr(self, "_concat_scratch", None) is None:
             shape = tuple(client.x.shape[1:])
-            encoders = [build_model(self.cfg.model, shape, self.num_classes).encoder for _ in range(k)]
-            dim = build_model(self.cfg.model, shape, self.num_classes).feature_dim
-            self._concat_scratch = ConcatModel(encoders, dim, self.num_classes).to(client.device)
+            parts = [build_model(self.cfg.model, shape, self.num_classes) for _ in range(k)]
+            self._concat_scratch = ConcatModel([p.encoder for p in parts], parts[0].feature_dim,
+                                               self.num_classes).to(client.device)
         return self._concat_scratch
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:

@@ -95,14 +95,15 @@ class ClientActor:
                 device=self.device, generator=torch.Generator().manual_seed(seed),
                 state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
             )
-            before = {k: id(v) for k, v in client.state.items()}
+            before = dict(client.state)  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
             result = fn(client, payload)
             result.metrics.setdefault("seconds", time.perf_counter() - t0)
             if stateful:
                 # a state the call did not touch is not sent back: the driver keeps its reference
                 # (big cached state, e.g. FedConcat's features, is not copied every round)
-                result.state_changed = {k: id(v) for k, v in client.state.items()} != before
+                result.state_changed = (client.state.keys() != before.keys()
+                                        or any(client.state[k] is not v for k, v in before.items()))
                 new_states.append(pack(client.state) if client.state and result.state_changed else None)
             results.append(pack(result))
             if not stateful and client.state:

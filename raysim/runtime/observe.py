@@ -23,9 +23,10 @@ class RayMetrics:
         self.round = Gauge("raysim_round", "The last round completed", tag_keys=keys)
         self.accuracy = Gauge("raysim_accuracy", "Accuracy at the last evaluation", tag_keys=keys)
 
-    def record(self, row: dict, down: int, up: int) -> None:
-        """One round's row (see FederatedServer.step) and its bytes down and up."""
+    def record(self, row: dict) -> None:
+        """One round's metrics row (see FederatedServer.step)."""
         t = self.tags
+        down, up = row["round_bytes_down"], row["round_bytes_up"]
         self.rounds.inc(1, tags=t)
         self.round.set(row["round"], tags=t)
         if row["clients"] > row["dropped"]:

@@ -293,7 +293,7 @@ class FederatedServer:
         if self.first_round_seconds is None:
             self.first_round_seconds = time.time() - self.t_start
         self.writer.round(row, self._round_records)
-        self.metrics.record(row, self._bytes[0] - bytes_before[0], self._bytes[1] - bytes_before[1])
+        self.metrics.record(row)
         every = int(self.cfg.checkpoint_every)
         if every and (rnd % every == 0 or rnd == int(self.cfg.rounds)):
             self._checkpoint(rnd)
