@@ -1,5 +1,11 @@
-"""FedAvgM (Hsu et al. 2019): server momentum on the averaged update.
-v <- beta * v + (w - w_avg);  w <- w - server_lr * v."""
+"""FedAvgM (Hsu et al. 2019): server momentum on the averaged update of the trainable
+parameters,
+    v <- beta * v + (w - w_avg);  w <- w - server_lr * v;
+buffers (BatchNorm running statistics) take the plain sample-weighted mean: momentum on a
+running variance can push it below zero (and eval-mode BatchNorm to NaN).
+Reference: Flower's `FedAvgM` strategy (adap/flower, flwr/server/strategy/fedavgm.py): the
+same pseudo-gradient w - w_avg, momentum vector and step. Flower applies it to every array
+a client sends, BatchNorm statistics included when clients send state dicts; we do not."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +14,7 @@ import torch
 
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
+from raysim.training import parameter_names
 
 from algorithms.fedavg import FedAvg
 
@@ -25,7 +32,7 @@ class FedAvgM(FedAvg):
     @staticmethod
     def validate_config(cfg) -> None:
         c = cfg.fedavgm
-        if not 0 <= c.beta < 1 or c.server_lr <= 0:
+        if not (0 <= c.beta < 1 and c.server_lr > 0):
             raise ConfigError(f"fedavgm.beta must be in [0, 1) and fedavgm.server_lr > 0, got {c.beta}, {c.server_lr}")
 
     def setup(self, server) -> None:
@@ -43,8 +50,9 @@ class FedAvgM(FedAvg):
         c = self.cfg.fedavgm
         state = self.model.state_dict()
         new = {}
+        params = parameter_names(self.model)
         for k, w in state.items():
-            if not w.is_floating_point():  # integer buffers are taken as averaged
+            if k not in params:  # buffers are taken as averaged
                 new[k] = averaged[k]
                 continue
             delta = w - averaged[k]

@@ -29,7 +29,7 @@ import torch
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd
+from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd, round_lr
 
 from algorithms.fedavg import FedAvg
 
@@ -37,6 +37,9 @@ from algorithms.fedavg import FedAvg
 @dataclass
 class ScaffoldConfig:
     server_lr: float = 1.0  # global step size on the averaged dy
+    weighting: str = "uniform"  # mean of dy over the returned clients: uniform (the paper) | samples (NIID-Bench)
+    correction: str = "gradient"  # gradient: g - c_i + c through the optimizer, K counted as effective steps;
+    # weights: NIID-Bench's code, w -= lr (c - c_i) after each optimizer step, K = raw step count
 
 
 def control_variate_update(c_i: dict, c: dict, x: dict, y: dict, steps: float, lr: float) -> dict:
@@ -51,8 +54,13 @@ class Scaffold(FedAvg):
 
     @staticmethod
     def validate_config(cfg) -> None:
-        if cfg.scaffold.server_lr <= 0:
-            raise ConfigError(f"scaffold.server_lr must be > 0, got {cfg.scaffold.server_lr}")
+        c = cfg.scaffold
+        if not c.server_lr > 0:
+            raise ConfigError(f"scaffold.server_lr must be > 0, got {c.server_lr}")
+        if c.weighting not in ("uniform", "samples"):
+            raise ConfigError(f"scaffold.weighting must be uniform or samples, got {c.weighting!r}")
+        if c.correction not in ("gradient", "weights"):
+            raise ConfigError(f"scaffold.correction must be gradient or weights, got {c.correction!r}")
 
     # ---- server ----
     def setup(self, server: Server) -> None:
@@ -64,12 +72,12 @@ class Scaffold(FedAvg):
         return {"weights": cpu_state(self.model), "c": self.c}
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        dy, rest, loss_sum = WeightedMean(), WeightedMean(), 0.0
+        dy, buffers, loss_sum = WeightedMean(), WeightedMean(), 0.0
         dc_sum = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in self.c.items()}
+        uniform = self.cfg.scaffold.weighting == "uniform"
         for r in results:
-            dy.add(r.update["dy"], r.num_samples)
-            if r.update["buffers"]:
-                rest.add(r.update["buffers"], r.num_samples)
+            dy.add(r.update["dy"], 1.0 if uniform else r.num_samples)
+            buffers.add(r.update["buffers"], r.num_samples)  # BatchNorm statistics: the plain weighted mean
             for k, v in r.update["dc"].items():
                 dc_sum[k] += v.double()
             loss_sum += r.metrics["loss"] * r.num_samples
@@ -79,10 +87,10 @@ class Scaffold(FedAvg):
         lr = float(self.cfg.scaffold.server_lr)
         state = self.model.state_dict()
         new = {k: state[k] + lr * mean_dy[k] for k in mean_dy}
-        new.update(rest.result(state) or {})
+        new.update(buffers.result(state) or {})
         self.model.load_state_dict({**state, **new})
         self.c = {k: self.c[k] + (dc_sum[k] / self.num_clients).to(self.c[k].dtype) for k in self.c}
-        return {"train_loss": loss_sum / dy.total}
+        return {"train_loss": loss_sum / buffers.total}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "c": dict(self.c)}
@@ -100,17 +108,27 @@ class Scaffold(FedAvg):
         c_i = {k: v.to(client.device) for k, v in client.state["c"].items()} if "c" in client.state \
             else {k: torch.zeros_like(v) for k, v in c.items()}
         correction = [(params[k], c[k] - c_i[k]) for k in c]
+        on_weights = self.cfg.scaffold.correction == "weights"
+        lr = round_lr(client.cfg.local, client.round)
 
-        def correct() -> None:  # g <- g - c_i + c
+        def correct_gradients() -> None:  # g <- g - c_i + c, then the optimizer's step
             for p, d in correction:
                 if p.grad is not None:
                     p.grad.add_(d)
 
-        stats = local_sgd(client, model, self.local_loss(client, payload), on_gradients=correct)
+        @torch.no_grad()
+        def correct_weights() -> None:  # NIID-Bench: w <- w - lr (c - c_i) after the optimizer's step
+            for p, d in correction:
+                p.add_(d, alpha=-lr)
+
+        stats = local_sgd(client, model, self.local_loss(client, payload),
+                          on_gradients=None if on_weights else correct_gradients,
+                          after_step=correct_weights if on_weights else None)
         x = {k: payload["weights"][k].to(client.device) for k in c}
         y = {k: params[k].detach() for k in c}
-        k_eff = effective_steps(max(stats["steps"], 1), float(client.cfg.local.momentum))
-        c_new = control_variate_update(c_i, c, x, y, k_eff, stats["lr"])
+        steps = max(stats["steps"], 1)
+        k = float(steps) if on_weights else effective_steps(steps, float(client.cfg.local.momentum))
+        c_new = control_variate_update(c_i, c, x, y, k, stats["lr"])
         client.state["c"] = {k: v.cpu() for k, v in c_new.items()}
         state = cpu_state(model)
         update = {"dy": {k: state[k] - payload["weights"][k] for k in c},

@@ -64,12 +64,14 @@ class SGD:
 
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
               epochs: Optional[int] = None, steps: Optional[int] = None,
-              on_gradients: Optional[Callable[[], None]] = None) -> dict:
+              on_gradients: Optional[Callable[[], None]] = None,
+              after_step: Optional[Callable[[], None]] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
     decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
     which differs from `local.epochs` for stragglers). Batches come from the client's
     generator, so the result depends only on (seed, round, client id). `on_gradients`
-    runs between backward and the step (SCAFFOLD corrects the gradients there).
+    runs between backward and the step (SCAFFOLD corrects the gradients there),
+    `after_step` after each step (NIID-Bench's SCAFFOLD corrects the weights there).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
@@ -95,6 +97,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
             if on_gradients is not None:
                 on_gradients()
             opt.step()
+            if after_step is not None:
+                after_step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
             done += 1
@@ -201,6 +205,15 @@ class WeightedMean:
             return None
         return {k: (v / self.total).to(like[k].dtype) if like[k].is_floating_point() else v.to(like[k].dtype)
                 for k, v in self.acc.items()}
+
+
+def parameter_names(model: torch.nn.Module) -> set[str]:
+    """State-dict keys of the model's trainable parameters. Every other entry is a buffer
+    (BatchNorm running statistics, counters): a server rule that is not a plain average
+    (momentum, normalisation, control variates) applies to parameters only, and buffers
+    take the plain sample-weighted mean (see `WeightedMean`), so that a running variance
+    stays a variance."""
+    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def nbytes(obj) -> int:

@@ -83,21 +83,39 @@ class FixedServer:
         return m
 
 
+def scaffold_results():
+    t = torch.tensor
+    return [ClientResult(0, 10, {"dy": {"weight": t([[2.0]]), "bias": t([1.0])},
+                                "dc": {"weight": t([[4.0]]), "bias": t([0.0])}, "buffers": {}}, {"loss": 1.0}),
+           ClientResult(2, 30, {"dy": {"weight": t([[-2.0]]), "bias": t([5.0])},
+                                "dc": {"weight": t([[8.0]]), "bias": t([-4.0])}, "buffers": {}}, {"loss": 1.0})]
+
+
 def test_scaffold_server_averages_dy_by_samples_and_adds_sum_dc_over_n():
-    cfg = load_config(overrides=["algorithm=scaffold"])
+    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.weighting=samples"])
     algo = Scaffold(cfg, 1, (1,))
     algo.setup(FixedServer())
     algo.c = {"weight": torch.tensor([[1.0]]), "bias": torch.tensor([0.0])}
     t = torch.tensor
-    res = [ClientResult(0, 10, {"dy": {"weight": t([[2.0]]), "bias": t([1.0])},
-                                "dc": {"weight": t([[4.0]]), "bias": t([0.0])}, "buffers": {}}, {"loss": 1.0}),
-           ClientResult(2, 30, {"dy": {"weight": t([[-2.0]]), "bias": t([5.0])},
-                                "dc": {"weight": t([[8.0]]), "bias": t([-4.0])}, "buffers": {}}, {"loss": 1.0})]
-    algo.aggregate(1, iter(res))
+    algo.aggregate(1, iter(scaffold_results()))
     assert torch.allclose(algo.model.weight, t([[1.0 + (10 * 2 - 30 * 2) / 40]]))  # x + weighted mean dy = 0
     assert torch.allclose(algo.model.bias, t([(10 * 1 + 30 * 5) / 40]))
     assert torch.allclose(algo.c["weight"], t([[1.0 + (4 + 8) / 4]]))  # N = 4 clients in all, 2 returned
     assert torch.allclose(algo.c["bias"], t([-4 / 4]))
+
+
+def test_scaffold_server_default_is_the_papers_uniform_mean():
+    """Paper: x += server_lr * (1/|S|) sum dy_i, whatever the clients' sizes; c as before."""
+    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.server_lr=0.5"])
+    assert cfg.scaffold.weighting == "uniform"
+    algo = Scaffold(cfg, 1, (1,))
+    algo.setup(FixedServer())
+    algo.c = {"weight": torch.tensor([[1.0]]), "bias": torch.tensor([0.0])}
+    t = torch.tensor
+    algo.aggregate(1, iter(scaffold_results()))
+    assert torch.allclose(algo.model.weight, t([[1.0 + 0.5 * (2 - 2) / 2]]))
+    assert torch.allclose(algo.model.bias, t([0.5 * (1 + 5) / 2]))
+    assert torch.allclose(algo.c["weight"], t([[1.0 + (4 + 8) / 4]]))
 
 
 # --------------------------------------------------------------------------- FedNova
@@ -107,8 +125,8 @@ def test_fednova_aggregate_with_unequal_local_steps():
     algo.setup(FixedServer())
     t = torch.tensor
     # client 0: 10 samples, 2 steps, d = [1]; client 1: 30 samples, 6 steps, d = [-1]
-    res = [ClientResult(0, 10, {"d": {"weight": t([[1.0]]), "bias": t([2.0])}, "a": 2.0}, {"loss": 0.0}),
-           ClientResult(1, 30, {"d": {"weight": t([[-1.0]]), "bias": t([0.0])}, "a": 6.0}, {"loss": 0.0})]
+    res = [ClientResult(0, 10, {"d": {"weight": t([[1.0]]), "bias": t([2.0])}, "buffers": {}, "a": 2.0}, {"loss": 0.0}),
+           ClientResult(1, 30, {"d": {"weight": t([[-1.0]]), "bias": t([0.0])}, "buffers": {}, "a": 6.0}, {"loss": 0.0})]
     out = algo.aggregate(1, iter(res))
     tau_eff = (10 * 2 + 30 * 6) / 40  # 5
     assert out["tau_eff"] == tau_eff
@@ -137,7 +155,7 @@ def test_fednova_client_normalises_by_its_steps_and_equals_fedavg_when_steps_are
     nova.setup(FixedServer())
     avg.setup(FixedServer())
     a = 3.0
-    nova.aggregate(1, iter([ClientResult(i, n, {"d": {"weight": (1.0 - w) / a, "bias": (0.0 - b) / a}, "a": a},
+    nova.aggregate(1, iter([ClientResult(i, n, {"d": {"weight": (1.0 - w) / a, "bias": (0.0 - b) / a}, "buffers": {}, "a": a},
                                          {"loss": 0.0}) for i, (n, w, b) in enumerate(ys)]))
     avg.aggregate(1, iter([ClientResult(i, n, {"weight": w, "bias": b}, {"loss": 0.0}) for i, (n, w, b) in enumerate(ys)]))
     assert torch.allclose(nova.model.weight, avg.model.weight) and torch.allclose(nova.model.bias, avg.model.bias)
