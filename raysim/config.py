@@ -106,6 +106,7 @@ class Config:
     run_name: Optional[str] = None  # default: <algorithm>-<dataset>-<timestamp>
     data_dir: str = "data"
     download: bool = True
+    input_scale: str = "standardize"  # images: standardize (per-channel mean / std) | unit (pixels in [0, 1])
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
@@ -293,6 +294,8 @@ def validate(cfg: DictConfig) -> None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,
              f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    need(cfg.input_scale in ("standardize", "unit"),
+         f"input_scale must be standardize or unit, got {cfg.input_scale!r}")
     need(cfg.eval_every >= 1, f"eval_every must be >= 1, got {cfg.eval_every}")
     p = cfg.partition
     need(p.beta > 0, f"partition.beta must be > 0, got {p.beta}")

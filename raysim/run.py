@@ -14,6 +14,7 @@ import sys
 import time
 
 from raysim.config import ConfigError, read_layers, ray_section
+from raysim.errors import RunDiverged
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     except ConfigError as e:  # raised by the driver while resolving and checking the input
         print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)  # the message, not Ray's traceback
         return 2
+    except RunDiverged as e:  # the loss or the model turned non-finite: the rounds before are kept
+        print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted: the rounds that ran are in the run directory", file=sys.stderr)
         return 130

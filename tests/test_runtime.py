@@ -210,3 +210,17 @@ def test_fednova_normalises_by_the_steps_stragglers_take(ray_local, tmp_path):
     assert all(s > p for s, p in zip(slow, plain))  # stragglers' extra epochs raise the effective step count
     rows = pq.read_table(d / "clients.parquet").to_pylist()
     assert {r["epochs"] for r in rows if r["straggler"]} - {1}  # some stragglers really took more epochs
+
+
+def test_a_diverged_run_stops_with_one_line_and_keeps_the_rounds_before(ray_local, tmp_path, capsys):
+    code = main([*BASE, "rounds=6", "plugins=[stateful_plugin]", "algorithm=test_nan_in_round_3",
+                 f"output_dir={tmp_path}", "run_name=nan"])
+    assert code == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: round 3: test_nan_in_round_3 diverged: train_loss=nan")
+    assert "local.lr" in err[0]
+    d = tmp_path / "nan"
+    assert [r["round"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [1, 2]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["diverged_round"] == 3 and s["final_accuracy"] > 0.1
+    assert not (d / "model.pt").exists()  # no NaN model is left as the run's result

@@ -1,6 +1,8 @@
 """Dataset loaders: each returns whole train/test arrays, ready to go to the object store.
 
-Images come back as float32 (N, C, H, W), normalised per channel; labels as int64. Loaders
+Images come back as float32 (N, C, H, W), standardised per channel with the dataset's mean
+and std (`input_scale: standardize`), or as pixels in [0, 1] (`input_scale: unit`, what
+NIID-Bench, FedConcat's and MOON's code train on); labels as int64. Loaders
 use torchvision's classes and file formats where torchvision has the dataset, reading from
 `data_dir` (torchvision's own folder layout) and downloading when allowed and online.
 A file that is missing offline gives a `ConfigError` saying which file and where to put it.
@@ -42,8 +44,15 @@ class FederatedData:
         return tuple(self.x_train.shape[1:])
 
 
+def _scaling(cfg: DictConfig, mean: tuple, std: tuple) -> tuple:
+    """The (mean, std) the images are scaled with: the dataset's, or 0 and 1 for [0, 1] pixels."""
+    if cfg.input_scale == "unit":
+        return tuple(0.0 for _ in mean), tuple(1.0 for _ in std)
+    return mean, std
+
+
 def _normalise(x_uint8: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
-    """uint8 (N, H, W[, C]) -> float32 (N, C, H, W) with per-channel standardisation."""
+    """uint8 (N, H, W[, C]) -> float32 (N, C, H, W) in [0, 1], then (x - mean) / std per channel."""
     x = x_uint8.astype(np.float32) / 255.0
     if x.ndim == 3:
         x = x[:, None]
@@ -99,6 +108,7 @@ def _gunzip_if_needed(raw: Path) -> None:
 
 def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: DictConfig) -> FederatedData:
     root = Path(cfg.data_dir)
+    (mean,), (std,) = _scaling(cfg, (mean,), (std,))
     raw = root / folder / "raw"
     if raw.is_dir():
         _gunzip_if_needed(raw)
@@ -163,7 +173,7 @@ def _cifar_classes():
 def _cifar_data(name, tv_cls, folder, files, cfg, num_classes, label_key=None) -> FederatedData:
     root = Path(cfg.data_dir)
     train, test = _torchvision_load(name, tv_cls, root, cfg.download, {"train": True}, {"train": False}, root / folder, files)
-    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    mean, std = _scaling(cfg, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
     ys = []
     for ds, split in ((train, "train"), (test, "test")):
         if label_key is None:
@@ -229,7 +239,7 @@ class SVHN:
         root = Path(cfg.data_dir)
         train, test = _torchvision_load("svhn", S, root, cfg.download, {"split": "train"}, {"split": "test"},
                                         root, ["train_32x32.mat", "test_32x32.mat"])
-        mean, std = (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)
+        mean, std = _scaling(cfg, (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))
         # torchvision keeps SVHN as (N, C, H, W) uint8 already
         return FederatedData("svhn", _normalise(train.data.transpose(0, 2, 3, 1), mean, std), train.labels.astype(np.int64),
                              _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10,
@@ -271,7 +281,7 @@ class CINIC10:
             x = np.stack([np.asarray(folder.loader(path).convert("RGB"), dtype=np.uint8) for path, _ in folder.samples])
             arrays[split] = (x, np.asarray(folder.targets, np.int64))
         train = [arrays[s] for s in splits if s != "test"]
-        mean, std = (0.4789, 0.4723, 0.4305), (0.2421, 0.2383, 0.2587)
+        mean, std = _scaling(cfg, (0.4789, 0.4723, 0.4305), (0.2421, 0.2383, 0.2587))
         return FederatedData("cinic10", _normalise(np.concatenate([t[0] for t in train]), mean, std),
                              np.concatenate([t[1] for t in train]),
                              _normalise(arrays["test"][0], mean, std), arrays["test"][1], 10, norm=(mean, std))
@@ -281,7 +291,8 @@ class CINIC10:
 @DATASETS.register("digits")
 class Digits:
     """scikit-learn's 8x8 digits (1,797 images, shipped with the install): the offline
-    default. A fixed 80/20 train/test split from `seed`."""
+    default. A fixed 80/20 train/test split from `seed`. Pixels (0..16) scaled to [-1, 1],
+    or to [0, 1] with `input_scale: unit`."""
 
     num_classes = 10
 
@@ -291,11 +302,13 @@ class Digits:
         from sklearn.model_selection import train_test_split
 
         d = load_digits()
-        x = (d.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+        mean, std = _scaling(cfg, (0.5,), (0.5,))
+        x = (d.images.astype(np.float32) / 16.0 - mean[0]) / std[0]
         x = x[:, None]
         y = d.target.astype(np.int64)
         xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=cfg.seed, stratify=y)
-        return FederatedData("digits", np.ascontiguousarray(xtr), ytr, np.ascontiguousarray(xte), yte, 10)
+        return FederatedData("digits", np.ascontiguousarray(xtr), ytr, np.ascontiguousarray(xte), yte, 10,
+                             norm=(mean, std))
 
 
 @dataclass
@@ -332,6 +345,9 @@ class Synthetic:
             raise ConfigError(f"synthetic.test_fraction must be in (0, 1), got {s.test_fraction}")
         if s.samples_per_client < 0:
             raise ConfigError(f"synthetic.samples_per_client must be >= 0, got {s.samples_per_client}")
+        if cfg.input_scale != "standardize":
+            raise ConfigError("input_scale applies to image datasets; synthetic's features are not pixels "
+                              "(leave input_scale=standardize)")
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:

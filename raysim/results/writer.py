@@ -70,9 +70,11 @@ class RunWriter:
                 pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp)
                 os.replace(tmp, self.dir / name)
 
-    def finish(self, summary: dict, model_state: dict) -> None:
+    def finish(self, summary: dict, model_state: dict | None) -> None:
+        """Tables, the final model (None: no model worth keeping, e.g. a diverged one) and summary.json."""
         self.flush_tables()
-        torch.save(model_state, self.dir / "model.pt")
+        if model_state is not None:
+            torch.save(model_state, self.dir / "model.pt")
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log("summary " + json.dumps(summary))
         self.log_file.close()

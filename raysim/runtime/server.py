@@ -17,6 +17,7 @@ It also owns the data (put in the object store once), the client actors, checkpo
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 from raysim.algorithm import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, to_yaml
 from raysim.data.partition import label_counts, label_entropy
+from raysim.errors import RunDiverged
 from raysim.experiment import prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
@@ -261,6 +263,7 @@ class FederatedServer:
         bytes_before = list(self._bytes)
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
+        self._check_finite(rnd, extra)
         row: dict = {"round": rnd}
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
             for i, (name, model) in enumerate(self.algorithm.eval_models().items()):
@@ -299,6 +302,28 @@ class FederatedServer:
             self._checkpoint(rnd)
         return row
 
+    def _check_finite(self, rnd: int, extra: dict) -> None:
+        """Stop the run when the round's loss or any weight of a model is NaN or infinite:
+        every later round would be noise at chance accuracy. The rounds before stay in the
+        run directory, with a summary saying where it stopped (`RunDiverged`, exit 3)."""
+        what = [f"{k}={v}" for k, v in extra.items() if isinstance(v, float) and not math.isfinite(v)]
+        for name, model in self.algorithm.eval_models().items():
+            bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+            if bad:
+                what.append(f"model {name!r} has non-finite weights ({bad[0]}{' and more' if len(bad) > 1 else ''})")
+        if not what:
+            return
+        loc = self.cfg.local
+        kept = f"the metrics of rounds 1..{rnd - 1} are in {self.writer.dir}" if rnd > 1 else "no round finished"
+        msg = (f"round {rnd}: {self.cfg.algorithm} diverged: {'; '.join(what)}. Try a smaller local.lr "
+               f"(now {loc.lr}) or local.momentum (now {loc.momentum}); {kept}")
+        self.writer.log(msg)
+        summary = summarize(self.writer.rows, time.time() - self.t_start, self.client_updates,
+                            self.first_round_seconds or 0.0)
+        self.writer.finish({**summary, "status": "diverged", "diverged_round": rnd, "reason": msg,
+                            "run_dir": str(self.writer.dir)}, None)
+        raise RunDiverged(msg)
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, rnd: int) -> None:
         """Metrics so far, then everything else a resumed run needs (see checkpoint.py)."""
@@ -334,6 +359,7 @@ class FederatedServer:
         summary = summarize(self.writer.rows, time.time() - self.t_start, self.client_updates,
                             self.first_round_seconds or 0.0)
         summary["run_dir"] = str(self.writer.dir)
+        summary["status"] = "finished"
         nodes: dict[str, int] = {}
         for info in self.actor_info():
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
@@ -343,7 +369,7 @@ class FederatedServer:
 
     def flush(self) -> None:
         """Write the metrics of the rounds so far (the run is being stopped early)."""
-        if hasattr(self, "writer"):
+        if hasattr(self, "writer") and not self.writer.log_file.closed:
             self.writer.flush_tables()
             self.writer.log("run stopped before its last round")
 

@@ -36,3 +36,16 @@ class SlowStateCounter(StateCounter):
 
         time.sleep(0.4)
         return super().aggregate(rnd, results)
+
+
+@ALGORITHMS.register("test_nan_in_round_3")
+class NaNInRound3(FedAvg):
+    """Local training that blows up in round 3 (as too large a learning rate does): every
+    client returns NaN weights and a NaN loss."""
+
+    def client_update(self, client, payload):
+        result = super().client_update(client, payload)
+        if client.round == 3:
+            result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
+            result.metrics["loss"] = float("nan")
+        return result
