@@ -8,10 +8,15 @@ ReLU, Linear(f, out_dim)), then a linear classifier on the projection z. The loc
 
 with sim the cosine similarity, z_glob from the global model received this round and
 z_prev from the client's own model after its previous round (client state), both frozen.
-A client's first round has no previous model: the global one stands in (the paper's code
-starts every client's previous model at the common initial weights), so l_con is the
-constant log 2 and the round is FedAvg's. Aggregation is FedAvg's, over all parts.
-Defaults mu = 1, T = 0.5, out_dim = 256 (the paper's code).
+A client taking part for the first time has no previous model (`moon.first_previous`):
+- `initial` (default, the authors' code): in round 1 the pool of previous models is empty
+  and the contrastive term is 0; a client first selected later uses its own initial
+  network (built from (seed, client id)), which it was given at the start and kept;
+- `global`: the global model stands in, so l_con is the constant log 2 (no gradient) and
+  the client's first round is FedAvg's.
+Aggregation is FedAvg's, over all parts. Defaults mu = 1, T = 0.5, out_dim = 256.
+Reference: QinbinLi/MOON, main.py (`train_net_fedcon`, `old_nets_pool`): the same loss
+with one previous model (model_buffer_size 1).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from raysim.algorithm import Client, ClientResult, Server
 from raysim.config import ConfigError
 from raysim.models import EncoderHead, build_model
 from raysim.registry import ALGORITHMS
-from raysim.training import cpu_state, local_sgd
+from raysim.training import cpu_state, local_sgd, seed_for
 
 from algorithms.fedavg import FedAvg
 
@@ -35,6 +40,7 @@ class MoonConfig:
     mu: float = 1.0  # weight of the contrastive term
     temperature: float = 0.5
     out_dim: int = 256  # projection size
+    first_previous: str = "initial"  # a client's first round: initial (authors' code) | global
 
 
 def with_projection(base: EncoderHead, out_dim: int, num_classes: int) -> EncoderHead:
@@ -61,9 +67,11 @@ class Moon(FedAvg):
     @staticmethod
     def validate_config(cfg) -> None:
         c = cfg.moon
-        if c.mu < 0 or c.temperature <= 0 or c.out_dim < 1:
+        if not (c.mu >= 0 and c.temperature > 0 and c.out_dim >= 1):
             raise ConfigError(f"moon.mu must be >= 0, moon.temperature > 0 and moon.out_dim >= 1, "
                               f"got {c.mu}, {c.temperature}, {c.out_dim}")
+        if c.first_previous not in ("initial", "global"):
+            raise ConfigError(f"moon.first_previous must be initial or global, got {c.first_previous!r}")
 
     def build(self, base: EncoderHead) -> EncoderHead:
         return with_projection(base, int(self.cfg.moon.out_dim), self.num_classes)
@@ -81,15 +89,29 @@ class Moon(FedAvg):
                              for _ in range(3)]
         return self._scratch
 
+    def initial_network(self, client: Client) -> dict:
+        """The client's own initial network (the authors' code gives each client one), seeded
+        from (seed, client id): what a client first selected after round 1 has as 'previous'."""
+        torch.manual_seed(seed_for(int(self.cfg.seed), client.cid, 11))
+        shape = tuple(client.x.shape[1:])
+        return cpu_state(self.build(build_model(self.cfg.model, shape, self.num_classes)))
+
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         net, glob, prev = self._nets(client)
         net.load_state_dict(payload["weights"])
         glob.load_state_dict(payload["weights"])
-        prev.load_state_dict(client.state.get("prev", payload["weights"]))
-        glob.eval()
-        prev.eval()
         c = self.cfg.moon
         mu, t = float(c.mu), float(c.temperature)
+        if "prev" in client.state:
+            prev.load_state_dict(client.state["prev"])
+        elif c.first_previous == "global":
+            prev.load_state_dict(payload["weights"])
+        elif client.round <= 1:
+            mu = 0.0  # the authors' round 1: no previous model in the pool, no contrastive term
+        else:
+            prev.load_state_dict(self.initial_network(client))
+        glob.eval()
+        prev.eval()
 
         def loss(model, x, y):
             z = model.encoder(x)
@@ -97,7 +119,7 @@ class Moon(FedAvg):
                 z_glob, z_prev = glob.encoder(x), prev.encoder(x)
             return F.cross_entropy(model.head(z), y) + mu * contrastive_loss(z, z_glob, z_prev, t)
 
-        stats = local_sgd(client, net, loss)
+        stats = local_sgd(client, net, loss if mu else (lambda model, x, y: F.cross_entropy(model(x), y)))
         state = cpu_state(net)
         client.state["prev"] = state
         return ClientResult(client.cid, client.num_samples, state, stats)

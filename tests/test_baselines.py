@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from algorithms.fedavg import FedAvg
 from algorithms.fedlc import calibrated_logits
 from algorithms.fednova import FedNova
-from algorithms.fedrs import restricted_logits
+from algorithms.fedrs import FedRS, logit_scale
 from algorithms.moon import Moon, contrastive_loss, with_projection
 from algorithms.scaffold import Scaffold
 from raysim.algorithm import Client, ClientResult
@@ -202,13 +202,65 @@ def test_moon_network_and_first_and_later_rounds():
     assert not all(torch.allclose(r2.update[k], r_plain2.update[k], atol=1e-6) for k in start)
 
 
+def test_moon_first_participation_after_round_1():
+    """Authors' code: a client first selected in a later round has its own initial network as
+    'previous' (contrastive term active); `first_previous=global`: the global model (FedAvg's step)."""
+    g = torch.Generator().manual_seed(0)
+    x_data, y_data = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
+    updates = {}
+    for first in ("initial", "global"):
+        cfg = load_config(overrides=["algorithm=moon", "moon.out_dim=8", "local.batch_size=16",
+                                     f"moon.first_previous={first}"])
+        moon = Moon(cfg, 10, (1, 8, 8))
+        torch.manual_seed(0)
+        start = cpu_state(moon.build(build_model("mlp", (1, 8, 8), 10)))
+        c = client_of(cfg, None, x_data, y_data, num_classes=10)
+        c.round = 3
+        updates[first] = moon.client_update(c, {"weights": start}).update
+        init_a, init_b = moon.initial_network(c), moon.initial_network(c)
+        assert all(torch.equal(init_a[k], init_b[k]) for k in init_a)  # from (seed, client id)
+        c.cid = 1
+        assert not torch.equal(moon.initial_network(c)["head.weight"], init_a["head.weight"])
+    plain = moon.build(build_model("mlp", (1, 8, 8), 10))
+    c_plain = client_of(cfg, plain, x_data, y_data, num_classes=10)
+    c_plain.round = 3
+    fedavg = FedAvg(cfg, 10, (1, 8, 8)).client_update(c_plain, {"weights": start}).update
+    assert all(torch.allclose(updates["global"][k], fedavg[k], atol=1e-6) for k in start)
+    assert not all(torch.allclose(updates["initial"][k], fedavg[k], atol=1e-6) for k in start)
+
+
 # --------------------------------------------------------------------------- FedRS, FedLC
-def test_fedrs_scales_the_logits_of_absent_classes():
-    logits = torch.tensor([[1.0, 2.0, 3.0, -4.0], [0.5, -1.0, 0.0, 2.0]])
-    present = torch.tensor([True, False, True, False])
-    out = restricted_logits(logits, present, 0.5)
-    assert torch.equal(out, torch.tensor([[1.0, 1.0, 3.0, -2.0], [0.5, -0.5, 0.0, 1.0]]))
-    assert torch.equal(restricted_logits(logits, present, 1.0), logits)  # alpha = 1: FedAvg
+def test_fedrs_logit_scales_soft_and_binary():
+    counts = np.array([40, 0, 10, 1])
+    # authors' code: alpha + (1 - alpha) n_c / n_max: rare present classes are damped too
+    assert torch.allclose(logit_scale(counts, 0.5, "soft"), torch.tensor([1.0, 0.5, 0.625, 0.5 + 0.5 / 40]))
+    # the paper's text: absent classes x alpha, present ones untouched
+    assert torch.equal(logit_scale(counts, 0.5, "binary"), torch.tensor([1.0, 0.5, 1.0, 1.0]))
+    assert torch.equal(logit_scale(counts, 1.0, "soft"), torch.ones(4))  # alpha = 1: FedAvg
+
+
+def test_fedrs_local_logits_are_scaled_and_have_no_bias_by_default():
+    cfg = load_config(overrides=["algorithm=fedrs", "fedrs.alpha=0.2"])
+    model = build_model("mclr", (2,), 3)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+        model.head.bias.fill_(5.0)
+    x, y = torch.tensor([[2.0, 3.0]]), torch.tensor([0])
+    client = client_of(cfg, model, torch.zeros(5, 2), torch.tensor([0, 0, 0, 0, 2]), num_classes=3)
+    loss = FedRS(cfg, 3, (2,)).local_loss(client, {})(model, x, y)
+    s = [1.0, 0.2, 0.2 + 0.8 / 4]  # counts 4, 0, 1
+    logits = torch.tensor([[2.0 * s[0], 3.0 * s[1], 5.0 * s[2]]])  # h W^T, no bias
+    assert torch.isclose(loss, F.cross_entropy(logits, y))
+    with_bias = load_config(overrides=["algorithm=fedrs", "fedrs.alpha=0.2", "fedrs.bias=true", "fedrs.scaling=binary"])
+    loss_b = FedRS(with_bias, 3, (2,)).local_loss(client, {})(model, x, y)
+    assert torch.isclose(loss_b, F.cross_entropy(torch.tensor([[7.0, 8.0 * 0.2, 10.0]]), y))
+    algo = FedRS(cfg, 3, (2,))
+
+    class S:
+        def new_model(self):
+            return build_model("mclr", (2,), 3)
+    algo.setup(S())
+    assert torch.equal(algo.model.head.bias, torch.zeros(3))  # the authors' classifier has no bias
 
 
 def test_fedlc_calibrates_logits_by_class_counts():
@@ -228,15 +280,14 @@ def test_fedrs_and_fedlc_train_with_their_losses():
     y_data = torch.randint(0, 2, (30,), generator=g)
     cfg = load_config(overrides=["local.epochs=3", "local.batch_size=10", "fedrs.alpha=0.1", "fedlc.tau=1.0"])
     from algorithms.fedlc import FedLC
-    from algorithms.fedrs import FedRS
 
     def moved(algo_cls):
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3)
+        model = build_model("mclr", (4,), 3)
         start = cpu_state(model)
         res = algo_cls(cfg, 3, (4,)).client_update(client_of(cfg, model, x_data, y_data, num_classes=3),
                                                    {"weights": start})
-        return float((res.update["weight"][2] - start["weight"][2]).norm())
+        return float((res.update["head.weight"][2] - start["head.weight"][2]).norm())
 
     assert moved(FedRS) < 0.5 * moved(FedAvg)
     assert moved(FedLC) < 0.5 * moved(FedAvg)
