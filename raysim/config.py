@@ -34,7 +34,8 @@ class PartitionConfig:
     k: int = 2  # classes: labels per client (#C=k)
     shards_per_client: int = 2  # shards: label-sorted shards per client
     sigma: float = 2.0  # power_law: sigma of the log-normal client sizes
-    min_size: int = 1  # fewest training samples a client may hold
+    min_size: int = 10  # fewest training samples a client may hold (NIID-Bench's rule for dirichlet / quantity)
+    max_draws: int = 100  # dirichlet / quantity: redraws before the best draw is topped up to min_size
     test_fraction: float = 0.0  # share of each client's samples kept as its local test set
 
 
@@ -303,6 +304,7 @@ def validate(cfg: DictConfig) -> None:
     need(p.shards_per_client >= 1, f"partition.shards_per_client must be >= 1, got {p.shards_per_client}")
     need(p.sigma > 0, f"partition.sigma must be > 0, got {p.sigma}")
     need(p.min_size >= 1, f"partition.min_size must be >= 1, got {p.min_size}")
+    need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
     loc = cfg.local
     need(loc.epochs >= 1 or loc.steps >= 1, "local.epochs or local.steps must be >= 1")

@@ -71,3 +71,27 @@ def test_label_table_totals():
     table = label_table(Y, p, 10)
     last = table.splitlines()[-1].split()
     assert last[0] == "all" and int(last[-1]) == len(Y)
+
+
+CIFAR_LABELS = np.repeat(np.arange(10), 5000)  # CIFAR-10's 50,000 training labels, 5,000 per class
+
+
+def test_dirichlet_follows_niid_bench_min_size_by_default():
+    """NIID-Bench redraws Dir(beta) until every client holds >= 10 samples. Dir(0.1) over 100
+    CIFAR-10 clients used to leave clients with 1-4 samples in 6 seeds of 10."""
+    cfg = load_config(overrides=["partition=dirichlet", "partition.beta=0.1", "num_clients=100"])
+    assert cfg.partition.min_size == 10
+    for seed in range(10):
+        cfg.seed = seed
+        p = make_partition(CIFAR_LABELS, cfg, 10)
+        assert min(len(ix) for ix in p.train) >= 10, seed
+
+
+def test_dirichlet_0_05_over_100_clients_still_succeeds():
+    """Hardly any draw passes (< 1 in 2,000): the best of max_draws is topped up to min_size."""
+    cfg = load_config(overrides=["partition=dirichlet", "partition.beta=0.05", "num_clients=100"])
+    p = make_partition(CIFAR_LABELS, cfg, 10)
+    assert min(len(ix) for ix in p.train) >= 10
+    assert np.array_equal(np.sort(np.concatenate(p.train)), np.arange(len(CIFAR_LABELS)))
+    counts = label_counts(CIFAR_LABELS, p, 10)
+    assert np.median((counts > 0).sum(1)) <= 3  # still strongly skewed: most clients hold few classes
