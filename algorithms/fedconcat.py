@@ -8,8 +8,11 @@ cluster models, then train one linear classifier on the cached concatenated feat
                `probe_samples` random inputs (uniform between the test set's smallest and
                largest input value: "each pixel uniform in [0, 1]" after the dataset's
                normalisation) stands for its label distribution.
-             `rebalance`: while a cluster is bigger than ceil(N / K), its member farthest from
-             its centre moves to the nearest cluster that is not (the paper's balanced K-means).
+             `rebalance` (off by default, as the official code for MNIST / CIFAR-10):
+             - `constrained` (the official code, its CIFAR-100 / Tiny-ImageNet runs): 100
+               rounds of constrained K-means with clusters capped at int(1.2 N / K);
+             - `farthest`: while a cluster is bigger than ceil(N / K), its member farthest
+               from its centre moves to the nearest cluster below the cap.
     stage 2  rounds 1..encoder_rounds: FedAvg inside every cluster, all clusters in the same
              rounds; the round's cohort (any selection strategy) is split by cluster and each
              cluster model goes only to its own members.
@@ -17,13 +20,17 @@ cluster models, then train one linear classifier on the cached concatenated feat
              go once to every client (`cache_features`), which computes its features once and
              keeps them as client state; rounds encoder_rounds+1..rounds train a linear
              classifier on the concatenated features by FedAvg, `classifier_steps` local SGD
-             steps per round (the paper: 3) on the cached features only. `init_classifier`:
-             start it from the cluster classifiers (W = [W_1 .. W_K] / K, b = mean b_k: the
-             mean of the cluster models' logits) instead of a fresh layer.
+             steps per round (the paper: 3) on the cached features only; the server averages
+             the heads unweighted (`classifier_weighting: uniform`, the official code: every
+             client takes the same steps) or by samples. `init_classifier` starts it from
+             the cluster classifiers instead of a fresh layer: `sum` (the official code:
+             W = [W_1 .. W_K], b = sum b_k, the sum of the cluster models' logits) or `mean`
+             (W / K, mean b_k: their mean; the same predictions, a softer start).
 
 Evaluation: during stage 2 the model evaluated is the concatenated encoders with the
 cluster-classifier initialisation (the mean of the cluster models' logits); during stage 3
-the trained classifier. Bytes are the runtime's: label counts or the ID round, the cluster
+the trained classifier. Reference: sjtudyq/FedConcat, experiments.py (`fedconcat` branch)
+and kmeanslimited.py. Bytes are the runtime's: label counts or the ID round, the cluster
 models to their members, the encoders once per client, then the classifier only.
 A client that missed the encoders (its actor died) gets them when next selected.
 """
@@ -33,7 +40,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -52,8 +59,9 @@ class FedConcatConfig:
     clusters: int = 5  # K
     encoder_rounds: int = 31  # stage 2; the remaining `rounds` train the classifier
     classifier_steps: int = 3  # local SGD steps per classifier round
-    rebalance: bool = False
-    init_classifier: bool = False
+    classifier_weighting: str = "uniform"  # uniform (official code) | samples
+    rebalance: Any = False  # false | constrained (official code) | farthest
+    init_classifier: Any = False  # false | sum (official code) | mean
     probe_samples: int = 10000  # fedconcat_id: random inputs for label inference
 
 
@@ -72,12 +80,42 @@ class ConcatModel(nn.Module):
         return self.head(self.features(x))
 
 
-def cluster(vectors: np.ndarray, k: int, seed: int, rebalance: bool = False) -> np.ndarray:
-    """K-means labels of the rows of `vectors` (deterministic for a seed)."""
+def cluster(vectors: np.ndarray, k: int, seed: int, rebalance=False) -> np.ndarray:
+    """K-means labels of the rows of `vectors` (deterministic for a seed), then rebalanced
+    when asked (`constrained` or `farthest`, see the module docstring)."""
     km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(vectors)
     labels = km.labels_.copy()
-    if rebalance:
+    if rebalance == "farthest":
         labels = balance(vectors, labels, km.cluster_centers_)
+    elif rebalance == "constrained":
+        cap = max(int(1.2 * len(vectors) / k), math.ceil(len(vectors) / k))  # never below a feasible cap
+        labels = constrained_kmeans(vectors, km.cluster_centers_, cap, np.random.default_rng(seed))
+    return labels
+
+
+def constrained_kmeans(vectors: np.ndarray, centres: np.ndarray, cap: int, rng, iterations: int = 100) -> np.ndarray:
+    """The official code's size-capped K-means: assign to the nearest centre; a cluster over
+    `cap` gives up its farthest members, which go to their nearest cluster with room; an
+    empty cluster restarts at a random point; centres move to their members' mean."""
+    centres = centres.copy()
+    n, k = len(vectors), len(centres)
+    for _ in range(iterations):
+        dist = np.linalg.norm(vectors[:, None, :] - centres[None, :, :], axis=-1)
+        labels = dist.argmin(1)
+        for j in range(k):
+            if not (labels == j).any():
+                centres[j] = vectors[rng.integers(n)]
+        for j in range(k):
+            while (labels == j).sum() > cap:
+                members = np.flatnonzero(labels == j)
+                far = members[dist[members, j].argmax()]
+                labels[far] = -1
+                dist[far, j] = np.inf
+        for i in np.flatnonzero(labels == -1):
+            labels[i] = next(j for j in np.argsort(dist[i], kind="stable") if (labels == j).sum() < cap)
+        for j in range(k):
+            if (labels == j).any():
+                centres[j] = vectors[labels == j].mean(0)
     return labels
 
 
@@ -122,6 +160,11 @@ class FedConcat(Algorithm):
                               f"the rounds train the classifier), got {c.encoder_rounds}")
         if c.classifier_steps < 1 or c.probe_samples < 1:
             raise ConfigError(f"{cfg.algorithm}.classifier_steps and .probe_samples must be >= 1")
+        if c.classifier_weighting not in ("uniform", "samples"):
+            raise ConfigError(f"{cfg.algorithm}.classifier_weighting must be uniform or samples, got {c.classifier_weighting!r}")
+        for key, allowed in (("rebalance", ("constrained", "farthest")), ("init_classifier", ("sum", "mean"))):
+            if c[key] is not False and c[key] not in allowed:
+                raise ConfigError(f"{cfg.algorithm}.{key} must be false, {' or '.join(allowed)}, got {c[key]!r}")
 
     @property
     def opts(self):
@@ -140,7 +183,7 @@ class FedConcat(Algorithm):
             for r in server.run_clients(0, list(range(server.num_clients)), {}, method="label_distribution"):
                 self.distributions[r.cid] = r.update
         k = int(self.opts.clusters)
-        self.cluster_of = cluster(self.distributions, k, int(self.cfg.seed), bool(self.opts.rebalance))
+        self.cluster_of = cluster(self.distributions, k, int(self.cfg.seed), self.opts.rebalance)
         self.models = [copy.deepcopy(init) for _ in range(k)]
         self.concat: Optional[ConcatModel] = None
         self.cached: set[int] = set()  # clients holding the concatenated features
@@ -191,17 +234,19 @@ class FedConcat(Algorithm):
         for p in concat.encoders.parameters():
             p.requires_grad_(False)
         if self.opts.init_classifier:
-            self._init_from_clusters(concat)
+            self._init_from_clusters(concat, self.opts.init_classifier)
         else:
             torch.manual_seed(int(self.cfg.seed) + 1)
             concat.head.reset_parameters()
         return concat
 
-    def _init_from_clusters(self, concat: ConcatModel) -> None:
-        k = len(self.models)
+    def _init_from_clusters(self, concat: ConcatModel, how: str = "mean") -> None:
+        """Head = the cluster classifiers side by side: the sum of their logits (`sum`, the
+        official code) or their mean (`mean`)."""
+        scale = 1.0 / len(self.models) if how == "mean" else 1.0
         with torch.no_grad():
-            concat.head.weight.copy_(torch.cat([m.head.weight for m in self.models], dim=1) / k)
-            concat.head.bias.copy_(torch.stack([m.head.bias for m in self.models]).mean(0))
+            concat.head.weight.copy_(torch.cat([m.head.weight for m in self.models], dim=1) * scale)
+            concat.head.bias.copy_(torch.stack([m.head.bias for m in self.models]).sum(0) * scale)
 
     def _classifier_round(self, rnd: int, server: Server) -> dict:
         """Stage 3: the selected clients without features get the encoders first (in the
@@ -214,15 +259,17 @@ class FedConcat(Algorithm):
             for r in server.run_clients(rnd, missing, {"encoders": encoders}, method="cache_features"):
                 self.cached.add(r.cid)
         ready = [c for c in cohort if c in self.cached]
-        mean, loss = WeightedMean(), 0.0
+        mean, loss, n = WeightedMean(), 0.0, 0
+        uniform = self.opts.classifier_weighting == "uniform"
         for r in server.run_clients(rnd, ready, {"stage": "classifier", "weights": cpu_state(self.concat.head)}):
-            mean.add(r.update, r.num_samples)
+            mean.add(r.update, 1.0 if uniform else r.num_samples)
             loss += r.metrics["loss"] * r.num_samples
+            n += r.num_samples
         new = mean.result(self.concat.head.state_dict())
         if new is None:
             return {}
         self.concat.head.load_state_dict(new)
-        return {"train_loss": loss / mean.total, "features_cached": len(self.cached)}
+        return {"train_loss": loss / n, "features_cached": len(self.cached)}
 
     def eval_models(self) -> dict:
         if self.concat is not None:

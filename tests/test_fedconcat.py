@@ -119,3 +119,70 @@ def test_fedconcat_resumes_in_the_classifier_stage_to_the_same_model(ray_local, 
     assert sum(r["method"] == "cache_features" for r in rows) == 10  # the features came back with the checkpoint
     ma, mb = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("part", "whole"))
     assert [r["round_bytes_down"] for r in ma] == [r["round_bytes_down"] for r in mb]
+
+
+def test_constrained_rebalance_caps_clusters_at_1_2_n_over_k():
+    """The official code's balanced clustering: K-means, then size-capped K-means with
+    clusters of at most int(1.2 N / K) members."""
+    rng = np.random.default_rng(0)
+    vectors = np.concatenate([rng.normal(0, 0.01, (14, 2)), rng.normal(5, 0.01, (3, 2)), rng.normal(-5, 0.01, (3, 2))])
+    plain = cluster(vectors, 4, seed=0)
+    assert np.bincount(plain, minlength=4).max() > int(1.2 * 20 / 4)  # the big blob is one or two clusters
+    labels = cluster(vectors, 4, seed=0, rebalance="constrained")
+    assert np.bincount(labels, minlength=4).max() <= int(1.2 * 20 / 4)  # 6
+    assert (labels == cluster(vectors, 4, seed=0, rebalance="constrained")).all()  # deterministic
+    assert len(set(labels[14:17])) == 1 and len(set(labels[17:])) == 1  # the small blobs stay together
+
+
+class ClassifierStageServer:
+    """Stands in for the runtime in stage 3: every client returns the head it is given here."""
+
+    num_clients = 2
+
+    def __init__(self, heads, sizes):
+        self.heads, self.sizes = heads, sizes
+
+    def select_clients(self, rnd):
+        return [0, 1]
+
+    def run_clients(self, rnd, cids, payload, method="client_update"):
+        from raysim.algorithm import ClientResult
+
+        for c in cids:
+            yield ClientResult(c, self.sizes[c], self.heads[c], {"loss": 0.0})
+
+
+def fedconcat_after_stage_2(*overrides):
+    from algorithms.fedconcat import FedConcat
+    from raysim.config import load_config
+
+    cfg = load_config(overrides=["algorithm=fedconcat", "fedconcat.clusters=2", "fedconcat.encoder_rounds=1",
+                                 "rounds=3", *overrides])
+    algo = FedConcat(cfg, 10, (1, 8, 8))
+    torch.manual_seed(0)
+    algo.models = [build_model("mlp", (1, 8, 8), 10) for _ in range(2)]
+    algo.feature_dim = 200
+    algo.num_clients = 2
+    algo.cached = {0, 1}
+    return algo
+
+
+def test_classifier_stage_averages_heads_unweighted_by_default():
+    algo = fedconcat_after_stage_2()
+    algo.concat = algo._concatenate()
+    heads = [{"weight": torch.full((10, 400), float(v)), "bias": torch.full((10,), float(v))} for v in (1.0, 4.0)]
+    algo._classifier_round(2, ClassifierStageServer(heads, sizes=[10, 290]))
+    assert torch.allclose(algo.concat.head.weight, torch.full((10, 400), 2.5))  # (1 + 4) / 2, not by samples
+    algo = fedconcat_after_stage_2("fedconcat.classifier_weighting=samples")
+    algo.concat = algo._concatenate()
+    algo._classifier_round(2, ClassifierStageServer(heads, sizes=[10, 290]))
+    assert torch.allclose(algo.concat.head.weight, torch.full((10, 400), (10 + 4 * 290) / 300))
+
+
+def test_init_classifier_sum_is_the_sum_of_the_cluster_logits():
+    x = torch.randn(6, 1, 8, 8)
+    for how, scale in (("sum", 1.0), ("mean", 0.5)):
+        algo = fedconcat_after_stage_2(f"fedconcat.init_classifier={how}")
+        concat = algo._concatenate()
+        expected = scale * sum(m(x) for m in algo.models)
+        assert torch.allclose(concat(x), expected, atol=1e-5), how
