@@ -27,6 +27,20 @@ class ConfigError(Exception):
     """A user-facing configuration or input problem; its message is one line."""
 
 
+AUGMENTATIONS = ("none", "colour", "crop_flip")  # local.augment, see raysim/data/augment.py
+
+
+def augmentation_name(value) -> str:
+    """`local.augment` as one of AUGMENTATIONS (true means colour, false none); else ValueError."""
+    if value is True:
+        return "colour"
+    if value is False or value is None:
+        return "none"
+    if isinstance(value, str) and value in AUGMENTATIONS:
+        return value
+    raise ValueError(value)
+
+
 @dataclass
 class PartitionConfig:
     name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | natural
@@ -48,7 +62,7 @@ class LocalConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
-    augment: bool = False  # colour images: colour jitter, horizontal flip, random greyscale (FedEntOpt's)
+    augment: Any = False  # false | colour (= true; FedEntOpt's) | crop_flip (NIID-Bench's): see raysim/data/augment.py
 
 
 @dataclass
@@ -314,6 +328,11 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= loc.momentum < 1, f"local.momentum must be in [0, 1), got {loc.momentum}")
     need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
     need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
+    try:
+        augmentation_name(loc.augment)
+    except ValueError:
+        raise ConfigError(f"local.augment must be one of false, true, {', '.join(AUGMENTATIONS)}; "
+                          f"got {loc.augment!r}") from None
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from raysim.config import ConfigError
+from raysim.config import ConfigError, augmentation_name
 from raysim.data.datasets import FederatedData, load_dataset, num_classes
 from raysim.data.partition import Partition, make_partition
 from raysim.models import build_model
@@ -17,9 +17,13 @@ from raysim.models import build_model
 def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
     """Load the dataset, partition it and check that the model accepts its inputs."""
     data = load_dataset(cfg)
-    if cfg.local.augment and (data.norm is None or len(data.input_shape) != 3 or data.input_shape[0] != 3):
-        raise ConfigError(f"local.augment=true needs colour images (cifar10, cifar100, svhn, cinic10); "
-                          f"dataset {cfg.dataset!r} has inputs {data.input_shape}")
+    aug = augmentation_name(cfg.local.augment)
+    if aug == "colour" and (data.norm is None or len(data.input_shape) != 3 or data.input_shape[0] != 3):
+        raise ConfigError(f"local.augment={cfg.local.augment} (colour) needs colour images (cifar10, cifar100, svhn, "
+                          f"cinic10); dataset {cfg.dataset!r} has inputs {data.input_shape}")
+    if aug == "crop_flip" and (len(data.input_shape) != 3 or min(data.input_shape[1:]) <= 4):
+        raise ConfigError(f"local.augment=crop_flip needs images larger than 4x4; dataset {cfg.dataset!r} has "
+                          f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
     part = make_partition(data.y_train, cfg, n_classes, data.users_train)
     try:

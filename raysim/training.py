@@ -119,40 +119,6 @@ def effective_steps(steps: int, momentum: float) -> float:
     return (steps - rho * (1 - rho ** steps) / (1 - rho)) / (1 - rho)
 
 
-class ColourAugment:
-    """FedEntOpt's training augmentation on a batch of standardised colour images: colour
-    jitter (brightness, contrast and saturation factors uniform in [1 - j, 1 + j], j = 0.4:
-    the paper gives no strength, this is torchvision's common choice), horizontal flip
-    with p = 0.5, greyscale with p = 0.1; each image draws its own, from the client's
-    generator. Works on [0, 1] pixels, then standardises again."""
-
-    def __init__(self, mean, std, jitter: float = 0.4, flip: float = 0.5, grey: float = 0.1):
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        self.jitter, self.flip, self.grey = jitter, flip, grey
-
-    @staticmethod
-    def _grey(img: torch.Tensor) -> torch.Tensor:
-        return (0.299 * img[:, 0:1] + 0.587 * img[:, 1:2] + 0.114 * img[:, 2:3]).expand_as(img)
-
-    def __call__(self, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        n, dev = x.shape[0], x.device
-        mean, std = self.mean.to(dev), self.std.to(dev)
-
-        def draw(lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
-            return (torch.rand(n, 1, 1, 1, generator=g) * (hi - lo) + lo).to(dev)
-
-        j = self.jitter
-        img = (x * std + mean) * draw(1 - j, 1 + j)  # brightness
-        m = self._grey(img).mean((1, 2, 3), keepdim=True)
-        img = (img - m) * draw(1 - j, 1 + j) + m  # contrast
-        grey = self._grey(img)
-        img = ((img - grey) * draw(1 - j, 1 + j) + grey).clamp(0, 1)  # saturation
-        img = torch.where(draw() < self.flip, img.flip(-1), img)
-        img = torch.where(draw() < self.grey, self._grey(img), img)
-        return (img - mean) / std
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
              batch_size: int = 1024) -> dict:

@@ -151,7 +151,7 @@ def test_wire_round_trip_keeps_tensors_and_arrays_apart():
 
 
 def test_colour_augment_flips_greys_and_keeps_the_standardisation():
-    from raysim.training import ColourAugment
+    from raysim.data.augment import ColourAugment
 
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
     aug = ColourAugment(mean, std, jitter=0.0, flip=1.0, grey=0.0)  # only flips
@@ -165,3 +165,25 @@ def test_colour_augment_flips_greys_and_keeps_the_standardisation():
     assert torch.equal(a, b) and not torch.equal(a, full(x, torch.Generator().manual_seed(4)))
     raw = a * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
     assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # pixels stay in [0, 1]
+
+
+def test_crop_flip_is_a_reflect_padded_crop_maybe_flipped():
+    """NIID-Bench's CIFAR augmentation: every output image is one 32x32 window of the
+    reflect-padded (4 px) input, mirrored or not; offsets and flips vary across images."""
+    import torch.nn.functional as F
+
+    from raysim.data.augment import CropFlip
+
+    x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    out = CropFlip()(x, torch.Generator().manual_seed(1))
+    padded = F.pad(x, (4, 4, 4, 4), mode="reflect")
+    seen = set()
+    for i in range(len(x)):
+        found = [(dy, dx, f) for dy in range(9) for dx in range(9) for f in (False, True)
+                 if torch.equal(out[i], (lambda w: w.flip(-1) if f else w)(padded[i, :, dy:dy + 32, dx:dx + 32]))]
+        assert found, i
+        seen.add(found[0])
+    assert len(seen) > 8 and {f for _, _, f in seen} == {False, True}
+    again = CropFlip()(x, torch.Generator().manual_seed(1))
+    assert torch.equal(out, again)  # drawn from the client's generator only
+    assert torch.equal(CropFlip(pad=0, flip=0.0)(x, torch.Generator()), x)

@@ -61,6 +61,12 @@ def test_cifar10_pickle_loader(tmp_path):
     # channel-first: the red plane is the first 1024 bytes of a CIFAR row
     red = truth["test_batch"]["data"][0, :1024].reshape(32, 32)
     assert np.argmax(d.x_test[0, 0].ravel()) == np.argmax(red.ravel())
+    # input_scale=unit: NIID-Bench's / FedConcat's [0, 1] pixels, exactly byte / 255
+    u = load_dataset(load_config(overrides=["dataset=cifar10", f"data_dir={tmp_path}", "download=false",
+                                            "input_scale=unit"]))
+    assert np.array_equal(u.x_test[0, 0], (red / 255.0).astype(np.float32))
+    assert u.norm == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    assert abs(float(d.x_test.mean())) < abs(float(u.x_test.mean()))  # standardised: about zero-mean
 
 
 @pytest.mark.parametrize("coarse", [False, True])

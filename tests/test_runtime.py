@@ -187,6 +187,10 @@ def test_augmented_training_on_colour_images(ray_local, tmp_path):
     assert all(torch.equal(m1[k], m2[k]) for k in m1)  # augmentation draws from the client's seed
     assert not all(torch.equal(m1[k], m3[k]) for k in m1)  # ... and changes what is trained
     assert main(["local.augment=true", f"output_dir={tmp_path}", "run_name=bad", "--quiet"]) == 2  # digits: grey
+    # NIID-Bench's recipe: [0, 1] inputs, reflect-pad-4 crop and flip
+    d4, s4 = run(tmp_path, "crop", *common, "local.augment=crop_flip", "input_scale=unit")
+    m4 = torch.load(d4 / "model.pt")["global"]
+    assert not all(torch.equal(m4[k], m3[k]) for k in m4) and s4["rounds"] == 2
 
 
 def test_placement_balances_work_and_keeps_id_order():

@@ -23,7 +23,9 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime.placement import num_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.training import ColourAugment, seed_for
+from raysim.config import augmentation_name
+from raysim.data.augment import make_transform
+from raysim.training import seed_for
 
 
 class DataNotAttached(RuntimeError):
@@ -59,7 +61,7 @@ class ClientActor:
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
         }
         self.model = build_model(self.cfg.model, shape, num_classes).to(self.device)
-        self.transform = ColourAugment(*norm) if self.cfg.local.augment else None
+        self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
             group: int, payload, *states):
