@@ -65,6 +65,29 @@ def test_scaffold_corrected_steps_and_control_variate_option_ii():
         assert torch.allclose(res.update["dc"][k], c_new - c_i[k], atol=1e-5), k
 
 
+def test_scaffold_niid_bench_correction_on_the_weights():
+    """NIID-Bench's code: the optimizer steps on the plain gradient (momentum rho), then
+    w -= lr (c - c_i); c_i+ = c_i - c + (x - y) / (K lr) with the raw step count K."""
+    cfg = load_config(overrides=["local.momentum=0.5", "local.weight_decay=0", "local.lr=0.1", "algorithm=scaffold",
+                                 "scaffold.correction=weights", "local.steps=2", "local.batch_size=4"])
+    x_data, y_data = data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    x = cpu_state(model)
+    c = {"weight": torch.tensor([[0.1, -0.2], [0.0, 0.3]]), "bias": torch.tensor([0.05, -0.05])}
+    c_i = {"weight": torch.tensor([[-0.1, 0.1], [0.2, 0.0]]), "bias": torch.tensor([0.0, 0.1])}
+    lr, rho = 0.1, 0.5
+    g0 = grad_at(x, x_data, y_data)
+    y1 = {k: x[k] - lr * g0[k] - lr * (c[k] - c_i[k]) for k in x}
+    g1 = grad_at(y1, x_data, y_data)
+    y2 = {k: y1[k] - lr * (rho * g0[k] + g1[k]) - lr * (c[k] - c_i[k]) for k in x}
+    client = client_of(cfg, model, x_data, y_data, state={"c": c_i})
+    res = Scaffold(cfg, 2, (2,)).client_update(client, {"weights": x, "c": c})
+    for k in x:
+        assert torch.allclose(res.update["dy"][k], y2[k] - x[k], atol=1e-6), k
+        assert torch.allclose(client.state["c"][k], c_i[k] - c[k] + (x[k] - y2[k]) / (2 * lr), atol=1e-5), k
+
+
 def test_scaffold_counts_momentum_steps_as_effective_steps():
     # with momentum rho the variate divides by FedNova's effective step count, = K at rho = 0
     assert effective_steps(3, 0.0) == 3.0
