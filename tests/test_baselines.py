@@ -39,16 +39,21 @@ def data():
 
 
 # --------------------------------------------------------------------------- SCAFFOLD
+def scaffold_case():
+    """Data, a Linear(2, 2), its weights x, and given server / client variates c, c_i."""
+    x_data, y_data = data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    c = {"weight": torch.tensor([[0.1, -0.2], [0.0, 0.3]]), "bias": torch.tensor([0.05, -0.05])}
+    c_i = {"weight": torch.tensor([[-0.1, 0.1], [0.2, 0.0]]), "bias": torch.tensor([0.0, 0.1])}
+    return x_data, y_data, model, cpu_state(model), c, c_i
+
+
 def test_scaffold_corrected_steps_and_control_variate_option_ii():
     """Two full-batch steps from x with c and c_i given: y1 = x - lr (g(x) - c_i + c),
     y2 = y1 - lr (g(y1) - c_i + c); c_i+ = c_i - c + (x - y2) / (2 lr) = (g(x) + g(y1)) / 2."""
     cfg = load_config(overrides=[*PLAIN, "algorithm=scaffold", "local.steps=2", "local.batch_size=4"])
-    x_data, y_data = data()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    x = cpu_state(model)
-    c = {"weight": torch.tensor([[0.1, -0.2], [0.0, 0.3]]), "bias": torch.tensor([0.05, -0.05])}
-    c_i = {"weight": torch.tensor([[-0.1, 0.1], [0.2, 0.0]]), "bias": torch.tensor([0.0, 0.1])}
+    x_data, y_data, model, x, c, c_i = scaffold_case()
     lr = 0.1
     g0 = grad_at(x, x_data, y_data)
     y1 = {k: x[k] - lr * (g0[k] - c_i[k] + c[k]) for k in x}
@@ -70,12 +75,7 @@ def test_scaffold_niid_bench_correction_on_the_weights():
     w -= lr (c - c_i); c_i+ = c_i - c + (x - y) / (K lr) with the raw step count K."""
     cfg = load_config(overrides=["local.momentum=0.5", "local.weight_decay=0", "local.lr=0.1", "algorithm=scaffold",
                                  "scaffold.correction=weights", "local.steps=2", "local.batch_size=4"])
-    x_data, y_data = data()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    x = cpu_state(model)
-    c = {"weight": torch.tensor([[0.1, -0.2], [0.0, 0.3]]), "bias": torch.tensor([0.05, -0.05])}
-    c_i = {"weight": torch.tensor([[-0.1, 0.1], [0.2, 0.0]]), "bias": torch.tensor([0.0, 0.1])}
+    x_data, y_data, model, x, c, c_i = scaffold_case()
     lr, rho = 0.1, 0.5
     g0 = grad_at(x, x_data, y_data)
     y1 = {k: x[k] - lr * g0[k] - lr * (c[k] - c_i[k]) for k in x}
