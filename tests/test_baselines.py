@@ -315,3 +315,24 @@ def test_fedrs_and_fedlc_train_with_their_losses():
     assert moved(FedRS) < 0.5 * moved(FedAvg)
     assert moved(FedLC) < 0.5 * moved(FedAvg)
     assert np.isfinite(moved(FedLC))
+
+
+def test_fedlc_takes_absent_classes_out_of_the_softmax():
+    """The measured cause of FedLC's gap under #C=2 (benchmarks/README.md): an absent class
+    (n_c = 0, read as 1e-8) is shifted by -100 tau, so the client's loss has no gradient on
+    its classifier row, where FedAvg pushes it down; at tau = 0.01 (shift -1) it is back."""
+    from algorithms.fedlc import FedLC
+
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1] * 4)
+
+    def absent_row_grad(algo_cls, *over):
+        cfg = load_config(overrides=["algorithm=fedlc", *over])
+        torch.manual_seed(0)
+        model = build_model("mclr", (4,), 3)
+        client = client_of(cfg, model, x, y, num_classes=3)
+        algo_cls(cfg, 3, (4,)).local_loss(client, {})(model, x, y).backward()
+        return float(model.head.weight.grad[2].norm())
+
+    plain = absent_row_grad(FedAvg)
+    assert absent_row_grad(FedLC) < 1e-12 * plain
+    assert absent_row_grad(FedLC, "fedlc.tau=0.01") > 0.1 * plain
