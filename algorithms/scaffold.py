@@ -5,19 +5,22 @@
         c_i+ = c_i - c + (x - y) / (K * lr)              (option II)
         upload  dy = y - x,  dc = c_i+ - c_i;  keep c_i <- c_i+ (client state)
     server, over the clients S that returned (N clients in all):
-        x <- x + server_lr * sum_i p_i dy_i    p_i = n_i / sum_S n  (sample-weighted, as FedAvg)
+        x <- x + server_lr * mean_S dy_i       (`weighting`: uniform, the paper; samples, NIID-Bench)
         c <- c + sum_i dc_i / N                (= |S|/N * mean dc)
 
-Chosen and documented: the correction is added to the gradient, so with `local.momentum`
-> 0 and weight decay it passes through the same optimizer (for plain SGD this is the
-paper's step exactly). K is the number of steps the client really took (stragglers take
-more), counted as effective steps under momentum rho: K_eff = (K - rho (1 - rho^K) /
-(1 - rho)) / (1 - rho), FedNova's count, = K when rho = 0 (option II exactly). Without it,
-(x - y) / (K lr) overstates the mean gradient by about 1 / (1 - rho) = 10x at rho = 0.9,
-the correction passes through momentum again, and training diverges (measured on digits:
-accuracy 0.10 after 30 rounds). lr is that round's lr. The model average is sample-weighted (NIID-Bench, and every
-other algorithm here); the paper weights uniformly. Variates cover trainable parameters;
-buffers (BatchNorm statistics) are averaged as FedAvg does.
+`correction` (how the local step is corrected when the optimizer has momentum / weight
+decay; for plain SGD both are the paper's step exactly):
+- `gradient` (default): c - c_i is added to the gradient, so it passes through the same
+  optimizer, and K counts effective steps under momentum rho: K_eff = (K - rho (1 - rho^K)
+  / (1 - rho)) / (1 - rho), FedNova's count (= K at rho = 0). Then c_i+ is exactly the
+  (momentum-weighted) mean gradient along the client's path.
+- `weights`: NIID-Bench's code (Xtra-Computing/NIID-Bench, `train_net_scaffold`): the
+  optimizer steps on the plain gradient, then w <- w - lr (c - c_i); K is the raw step count.
+K is the number of steps the client really took (stragglers take more); lr is that
+round's lr. Variates cover trainable parameters; buffers (BatchNorm statistics) take the
+plain sample-weighted mean. SCAFFOLD needs small local steps: at momentum 0.9 it diverges
+on standardised MNIST #C=2 under either reading (benchmarks/README.md); use momentum 0, as
+the paper.
 """
 from __future__ import annotations
 
