@@ -88,3 +88,34 @@ def test_resume_errors_name_the_run_and_the_key(tmp_path):
     r = cli([f"resume={old}"], tmp_path)  # a run without a checkpoint
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no checkpoint" in r.stderr, r.stderr
     assert sorted(p.name for p in old.iterdir()) == ["config.yaml"]  # nothing written
+
+
+class _Payload:
+    """What a crafted checkpoint carries: unpickling it would run a shell command."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.target}",)
+
+
+def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
+    import torch
+
+    run = tmp_path / "shared-run"
+    run.mkdir()
+    (run / "config.yaml").write_text("rounds: 3\n")
+    pwned = tmp_path / "PWNED"
+    torch.save({"round": 1, "algorithm": _Payload(pwned)}, run / "checkpoint.pt")
+    r = cli([f"resume={run}"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "safe loader refuses" in lines[0] and "checkpoint.pt" in lines[0], r.stderr
+    assert not pwned.exists()  # the command never ran
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "config.yaml"]  # nothing written
+    (run / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")  # a corrupt file: one line too
+    r = cli([f"resume={run}"], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a readable checkpoint" in r.stderr, r.stderr

@@ -26,15 +26,22 @@ def save(run_dir: Path, state: dict) -> None:
     os.replace(tmp, Path(run_dir) / FILE)
 
 
-def load(run_dir: Path) -> tuple[dict, bool]:
-    """The run's checkpoint and whether torch's safe loader (tensors and plain containers
-    only) could read it; a plugin that keeps other objects in its state needs the full
-    unpickler, which is used only for this run's own file."""
+def load(run_dir: Path) -> dict:
+    """The run's checkpoint, read only with torch's safe loader (tensors, plain containers
+    and the globals registered with `torch.serialization.add_safe_globals`): a run directory
+    may come from anyone, and the full unpickler would run any code its file names. A
+    plugin whose state holds other objects registers their classes as safe globals."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no checkpoint ({path} not found): the run stopped before "
                           "its first checkpoint, or ran with checkpoint_every=0")
     try:
-        return torch.load(path, weights_only=True), True
-    except pickle.UnpicklingError:
-        return torch.load(path, weights_only=False), False
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"resume: {path} holds objects the safe loader refuses ({first[:160]}); raysim never "
+                          "unpickles code from a run directory (a plugin registers its own classes with "
+                          "torch.serialization.add_safe_globals)") from None
+    except Exception as e:  # truncated or not a torch file
+        raise ConfigError(f"resume: {path} is not a readable checkpoint ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else 'empty'})") from None

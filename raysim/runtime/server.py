@@ -59,7 +59,7 @@ class FederatedServer:
         ckpt = None
         if self.cfg.resume:
             run_dir = Path(self.cfg.resume)
-            ckpt, safe = checkpoint.load(run_dir)
+            ckpt = checkpoint.load(run_dir)
             if ckpt["round"] > int(self.cfg.rounds):
                 raise ConfigError(f"resume: rounds={self.cfg.rounds} but the checkpoint in {run_dir} is after "
                                   f"round {ckpt['round']}; give rounds >= {ckpt['round']}")
@@ -112,8 +112,7 @@ class FederatedServer:
         self.start_round = 1
         if ckpt is not None:
             self._restore(ckpt)
-            self.writer.log(f"checkpoint of round {ckpt['round']} loaded "
-                            f"({'weights only' if safe else 'full unpickler: it holds non-tensor objects'})")
+            self.writer.log(f"checkpoint of round {ckpt['round']} loaded (safe loader)")
         return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(run_dir),
                 "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
                           f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
