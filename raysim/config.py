@@ -9,6 +9,7 @@ Plugins (algorithms, selections, datasets) add their own section under their nam
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
@@ -291,8 +292,25 @@ def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:
         raise ConfigError(f"{key}={name!r} is not a known {reg.kind}; choose one of: {', '.join(reg.names())}")
 
 
+def _non_finite(node, prefix: str = "") -> Optional[str]:
+    """The first key (dotted) whose value is a NaN or infinite number, or None."""
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for k, v in items:
+        key = f"{prefix}{k}" if isinstance(node, dict) else f"{prefix[:-1]}[{k}]."
+        if isinstance(v, float) and not math.isfinite(v):
+            return key.rstrip(".")
+        if isinstance(v, (dict, list)):
+            found = _non_finite(v, f"{key}." if isinstance(node, dict) else key)
+            if found:
+                return found
+    return None
+
+
 def validate(cfg: DictConfig) -> None:
-    """Checks that need no data: names exist, numbers are in range."""
+    """Checks that need no data: names exist, numbers are finite and in range."""
+    bad = _non_finite(OmegaConf.to_container(cfg))
+    if bad is not None:
+        raise ConfigError(f"{bad}={OmegaConf.select(cfg, bad)} is not a finite number; give a finite value")
     _check_name(cfg, "algorithm", registry.ALGORITHMS)
     _check_name(cfg, "selection", registry.SELECTIONS)
     _check_name(cfg, "dataset", registry.DATASETS)
@@ -309,6 +327,9 @@ def validate(cfg: DictConfig) -> None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,
              f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    name = cfg.run_name
+    need(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
+         f"run_name={name!r} must be a plain folder name inside output_dir (no '/', '\\' or '..')")
     need(cfg.input_scale in ("standardize", "unit"),
          f"input_scale must be standardize or unit, got {cfg.input_scale!r}")
     need(cfg.eval_every >= 1, f"eval_every must be >= 1, got {cfg.eval_every}")

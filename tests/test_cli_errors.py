@@ -20,6 +20,8 @@ CASES = [
     (["model=cnn"], "model='cnn' does not fit dataset 'digits'"),
     (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
     (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
+    (["local.lr=inf"], "local.lr=inf is not a finite number"),
+    (["run_name=../../x"], "run_name='../../x' must be a plain folder name inside output_dir"),
 ]
 
 
@@ -119,3 +121,13 @@ def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
     (run / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")  # a corrupt file: one line too
     r = cli([f"resume={run}"], tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a readable checkpoint" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("override", ["fedprox.mu=nan", "fedavgm.server_lr=nan", "synthetic.alpha=nan",
+                                      "partition.beta=.inf", "system.dropout=nan", "local.momentum=-.inf"])
+def test_non_finite_numbers_are_refused_by_name(override):
+    """NaN passes every check written as `x < 0`: a generic pass refuses any non-finite number."""
+    from raysim.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]}=.* is not a finite number"):
+        load_config(overrides=[override])
