@@ -292,17 +292,20 @@ def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:
         raise ConfigError(f"{key}={name!r} is not a known {reg.kind}; choose one of: {', '.join(reg.names())}")
 
 
-def _non_finite(node, prefix: str = "") -> Optional[str]:
-    """The first key (dotted) whose value is a NaN or infinite number, or None."""
-    items = node.items() if isinstance(node, dict) else enumerate(node)
-    for k, v in items:
-        key = f"{prefix}{k}" if isinstance(node, dict) else f"{prefix[:-1]}[{k}]."
-        if isinstance(v, float) and not math.isfinite(v):
-            return key.rstrip(".")
-        if isinstance(v, (dict, list)):
-            found = _non_finite(v, f"{key}." if isinstance(node, dict) else key)
-            if found:
-                return found
+def _non_finite(node, key: str = "") -> Optional[str]:
+    """The first key (dotted, [i] for list items) whose value is a NaN or infinite number."""
+    if isinstance(node, float):
+        return None if math.isfinite(node) else key
+    if isinstance(node, dict):
+        children = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
+    elif isinstance(node, list):
+        children = ((f"{key}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return None
+    for child_key, value in children:
+        found = _non_finite(value, child_key)
+        if found is not None:
+            return found
     return None
 
 
