@@ -112,7 +112,7 @@ class FederatedServer:
         self.start_round = 1
         if ckpt is not None:
             self._restore(ckpt)
-            self.writer.log(f"checkpoint of round {ckpt['round']} loaded (safe loader)")
+            self.writer.log(f"checkpoint of round {ckpt['round']} loaded (weights only)")
         return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(run_dir),
                 "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
                           f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
