@@ -13,7 +13,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from raysim.config import AUGMENTATIONS, augmentation_name  # noqa: F401 (re-exported)
 
 class ColourAugment:
     """FedEntOpt's training augmentation on a batch of standardised colour images: colour

@@ -40,18 +40,18 @@ def _redraw(draw, p, name: str, n: int, total: int, rng) -> list[np.ndarray]:
     samples (default 10). NIID-Bench redraws forever; after `partition.max_draws` draws we
     take the draw whose smallest client is largest and repair it: each client still short
     takes random samples from the currently largest client (Dir(0.05) over 100 clients
-    needs this: fewer than 1 draw in 2,000 passes). Logged in the partition table."""
+    needs this: fewer than 1 draw in 2,000 passes)."""
     if n * p.min_size > total:
         raise ConfigError(f"partition {name!r}: {n} clients x partition.min_size={p.min_size} exceeds the "
                           f"{total} training samples; use fewer clients or a smaller min_size")
-    best = None
+    best, best_smallest = None, -1
     for _ in range(int(p.max_draws)):
         parts = draw()
         smallest = min(len(ix) for ix in parts)
         if smallest >= p.min_size:
             return parts
-        if best is None or smallest > min(len(ix) for ix in best):
-            best = parts
+        if smallest > best_smallest:
+            best, best_smallest = parts, smallest
     return _top_up(best, int(p.min_size), rng)
 
 
@@ -167,8 +167,7 @@ def natural(y, n, p, rng, num_classes, users=None):
     n_users = int(users.max()) + 1
     if n != n_users:
         raise ConfigError(f"partition 'natural': the dataset has {n_users} users but num_clients={n}")
-    order = np.argsort(users, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(users, minlength=n))[:-1])
+    return _split_by_owner(users, n)
 
 
 def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Optional[np.ndarray] = None) -> Partition:

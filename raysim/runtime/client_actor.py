@@ -19,12 +19,12 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.algorithm import Client
+from raysim.config import augmentation_name
+from raysim.data.augment import make_transform
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime.placement import num_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.config import augmentation_name
-from raysim.data.augment import make_transform
 from raysim.training import seed_for
 
 

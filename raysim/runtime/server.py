@@ -262,10 +262,11 @@ class FederatedServer:
         bytes_before = list(self._bytes)
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
-        self._check_finite(rnd, extra)
+        models = self.algorithm.eval_models()
+        self._check_finite(rnd, extra, models)
         row: dict = {"round": rnd}
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
-            for i, (name, model) in enumerate(self.algorithm.eval_models().items()):
+            for i, (name, model) in enumerate(models.items()):
                 ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
@@ -301,12 +302,12 @@ class FederatedServer:
             self._checkpoint(rnd)
         return row
 
-    def _check_finite(self, rnd: int, extra: dict) -> None:
+    def _check_finite(self, rnd: int, extra: dict, models: dict) -> None:
         """Stop the run when the round's loss or any weight of a model is NaN or infinite:
         every later round would be noise at chance accuracy. The rounds before stay in the
         run directory, with a summary saying where it stopped (`RunDiverged`, exit 3)."""
         what = [f"{k}={v}" for k, v in extra.items() if isinstance(v, float) and not math.isfinite(v)]
-        for name, model in self.algorithm.eval_models().items():
+        for name, model in models.items():
             bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
             if bad:
                 what.append(f"model {name!r} has non-finite weights ({bad[0]}{' and more' if len(bad) > 1 else ''})")
