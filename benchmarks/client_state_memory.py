@@ -40,7 +40,7 @@ def state_bytes(algorithm: str) -> int:
     cfg = load_config(overrides=["model=mlp", f"algorithm={algorithm}"])
     model = build_model("mlp", (60,), 10)
     if algorithm == "moon":
-        from algorithms.moon import with_projection
+        from raysim.algorithms.moon import with_projection
 
         model = with_projection(model, int(cfg.moon.out_dim), 10)
         return sum(v.numel() * v.element_size() for v in model.state_dict().values())  # the whole previous model

@@ -53,7 +53,7 @@ PLUGIN_MODULES = [
     "raysim.data.datasets",
     "raysim.data.partition",
     "raysim.models",
-    "algorithms",
+    "raysim.algorithms",
 ]
 
 _loaded = False

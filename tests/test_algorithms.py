@@ -2,9 +2,9 @@
 import numpy as np
 import torch
 
-from algorithms.fedavg import FedAvg
-from algorithms.fedavgm import FedAvgM
-from algorithms.fedprox import FedProx, proximal_loss
+from raysim.algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavgm import FedAvgM
+from raysim.algorithms.fedprox import FedProx, proximal_loss
 from raysim.algorithm import Client, ClientResult
 from raysim.config import load_config
 from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd

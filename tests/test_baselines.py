@@ -6,12 +6,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from algorithms.fedavg import FedAvg
-from algorithms.fedlc import calibrated_logits
-from algorithms.fednova import FedNova
-from algorithms.fedrs import FedRS, logit_scale
-from algorithms.moon import Moon, contrastive_loss, with_projection
-from algorithms.scaffold import Scaffold
+from raysim.algorithms.fedavg import FedAvg
+from raysim.algorithms.fedlc import calibrated_logits
+from raysim.algorithms.fednova import FedNova
+from raysim.algorithms.fedrs import FedRS, logit_scale
+from raysim.algorithms.moon import Moon, contrastive_loss, with_projection
+from raysim.algorithms.scaffold import Scaffold
 from raysim.algorithm import Client, ClientResult
 from raysim.config import load_config
 from raysim.models import build_model
@@ -302,7 +302,7 @@ def test_fedrs_and_fedlc_train_with_their_losses():
     x_data = torch.randn(30, 4, generator=g)
     y_data = torch.randint(0, 2, (30,), generator=g)
     cfg = load_config(overrides=["local.epochs=3", "local.batch_size=10", "fedrs.alpha=0.1", "fedlc.tau=1.0"])
-    from algorithms.fedlc import FedLC
+    from raysim.algorithms.fedlc import FedLC
 
     def moved(algo_cls):
         torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_fedlc_takes_absent_classes_out_of_the_softmax():
     """The measured cause of FedLC's gap under #C=2 (benchmarks/README.md): an absent class
     (n_c = 0, read as 1e-8) is shifted by -100 tau, so the client's loss has no gradient on
     its classifier row, where FedAvg pushes it down; at tau = 0.01 (shift -1) it is back."""
-    from algorithms.fedlc import FedLC
+    from raysim.algorithms.fedlc import FedLC
 
     x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1] * 4)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from algorithms.fedconcat import ConcatModel, balance, cluster, inferred_distribution
+from raysim.algorithms.fedconcat import ConcatModel, balance, cluster, inferred_distribution
 from raysim.models import build_model
 from raysim.run import main
 from raysim.training import local_sgd
@@ -60,7 +60,7 @@ def test_concatenated_model_is_the_classifier_on_concatenated_features():
     assert feats.shape == (7, 3 * 200)
     assert torch.allclose(concat(x), concat.head(feats))
     # initialised from the cluster classifiers, it is the mean of the cluster models' logits
-    from algorithms.fedconcat import FedConcat
+    from raysim.algorithms.fedconcat import FedConcat
 
     algo = FedConcat.__new__(FedConcat)
     algo.models = parts
@@ -153,7 +153,7 @@ class ClassifierStageServer:
 
 
 def fedconcat_after_stage_2(*overrides):
-    from algorithms.fedconcat import FedConcat
+    from raysim.algorithms.fedconcat import FedConcat
     from raysim.config import load_config
 
     cfg = load_config(overrides=["algorithm=fedconcat", "fedconcat.clusters=2", "fedconcat.encoder_rounds=1",

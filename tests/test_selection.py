@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.fedentopt import FedEntOpt, KLSelection, greedy_max_entropy, noisy_counts
+from raysim.algorithms.fedentopt import FedEntOpt, KLSelection, greedy_max_entropy, noisy_counts
 from raysim.algorithm import Client
 from raysim.config import ConfigError, load_config
 from raysim.data.partition import label_entropy

@@ -1,7 +1,7 @@
 """A test plugin: FedAvg whose clients count, in their persistent state, how many rounds
 they have taken part in, and report the count as their 'loss' (so it lands in
 clients.parquet). Loaded through the `plugins` config key, as a user's plugin would be."""
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 from raysim.registry import ALGORITHMS
 
 

@@ -44,7 +44,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
 from torch import nn
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
@@ -83,6 +82,8 @@ class ConcatModel(nn.Module):
 def cluster(vectors: np.ndarray, k: int, seed: int, rebalance=False) -> np.ndarray:
     """K-means labels of the rows of `vectors` (deterministic for a seed), then rebalanced
     when asked (`constrained` or `farthest`, see the module docstring)."""
+    from sklearn.cluster import KMeans  # here, not at the top: the CLI imports this module to check a config
+
     km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(vectors)
     labels = km.labels_.copy()
     if rebalance == "farthest":

@@ -16,7 +16,7 @@ from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
 from raysim.training import parameter_names
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

@@ -19,7 +19,7 @@ from raysim.algorithm import Client
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

@@ -10,7 +10,7 @@ from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
 from raysim.training import cross_entropy
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

@@ -34,7 +34,7 @@ from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd, round_lr
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

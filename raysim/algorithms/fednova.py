@@ -23,7 +23,7 @@ from raysim.algorithm import Client, ClientResult
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd, parameter_names
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @ALGORITHMS.register("fednova")

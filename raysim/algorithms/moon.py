@@ -32,7 +32,7 @@ from raysim.models import EncoderHead, build_model
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, local_sgd, seed_for
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

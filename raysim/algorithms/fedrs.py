@@ -23,7 +23,7 @@ from raysim.algorithm import Client, Server
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
 
-from algorithms.fedavg import FedAvg
+from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass

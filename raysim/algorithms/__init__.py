@@ -1,4 +1,4 @@
 """Algorithm and selection plugins, one module each, registered by name on import."""
-from algorithms import (  # noqa: F401  (registration)
+from raysim.algorithms import (  # noqa: F401  (registration)
     fedavg, fedavgm, fedconcat, fedentopt, fedlc, fednova, fedprox, fedrs, moon, scaffold, uniform,
 )
