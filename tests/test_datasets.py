@@ -139,3 +139,37 @@ def test_cinic10_folder_loader(tmp_path):
 def test_cinic10_missing_folder_says_where(tmp_path):
     with pytest.raises(ConfigError, match=r"cinic10.*train, test not found under"):
         load_dataset(load_config(overrides=["dataset=cinic10", f"data_dir={tmp_path}"]))
+
+
+def _mnist_files(raw, rng, gz=True):
+    raw.mkdir(parents=True, exist_ok=True)
+    for f, shape in (("train-images-idx3-ubyte", (30, 28, 28)), ("train-labels-idx1-ubyte", (30,)),
+                     ("t10k-images-idx3-ubyte", (10, 28, 28)), ("t10k-labels-idx1-ubyte", (10,))):
+        write_idx(raw / f, rng.integers(0, 10, shape), gz)
+
+
+def test_corrupt_idx_files_are_named_and_leave_nothing_behind(tmp_path):
+    """A non-gzip .gz, a truncated .gz and a whole gzip of truncated IDX data each give one
+    message naming the file and leave no unpacked (or partly unpacked) file; once the .gz is
+    fixed the dataset loads."""
+    raw = tmp_path / "MNIST" / "raw"
+    rng = np.random.default_rng(0)
+    cfg = load_config(overrides=["dataset=mnist", f"data_dir={tmp_path}", "download=false"])
+    gz = raw / "train-images-idx3-ubyte.gz"
+    _mnist_files(raw, rng)
+    good = gz.read_bytes()
+    header = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">3I", 30, 28, 28)
+    for bad, message in ((b"<html>not found</html>", "is not a whole gzip file"),
+                         (good[: len(good) // 2], "is not a whole gzip file"),
+                         (gzip.compress(header + bytes(100)), r"is corrupt or truncated \(its header says 23536 bytes, it has 116")):
+        gz.write_bytes(bad)
+        with pytest.raises(ConfigError, match=message) as e:
+            load_dataset(cfg)
+        assert str(gz) in str(e.value)
+        assert sorted(p.name for p in raw.iterdir() if "train-images" in p.name) == [gz.name]  # nothing left
+    gz.write_bytes(good)
+    assert load_dataset(cfg).x_train.shape == (30, 1, 28, 28)
+    out = raw / "train-images-idx3-ubyte"  # an extracted file cut short is named too
+    out.write_bytes(out.read_bytes()[:-5])
+    with pytest.raises(ConfigError, match=f"{out} is corrupt or truncated"):
+        load_dataset(cfg)

@@ -95,3 +95,31 @@ def test_dirichlet_0_05_over_100_clients_still_succeeds():
     assert np.array_equal(np.sort(np.concatenate(p.train)), np.arange(len(CIFAR_LABELS)))
     counts = label_counts(CIFAR_LABELS, p, 10)
     assert np.median((counts > 0).sum(1)) <= 3  # still strongly skewed: most clients hold few classes
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "quantity", "classes", "shards", "power_law"])
+def test_partitions_of_100000_clients(name):
+    """100,000 clients of 20 samples: every partitioner gives every client min_size samples
+    and every sample one owner, without quadratic repairs or hopeless redraws (Dirichlet
+    used to take 67 s here; benchmarks/partition_scale.py records the times)."""
+    y = np.random.default_rng(0).integers(0, 10, 2_000_000)
+    cfg = load_config(overrides=[f"partition={name}", "num_clients=100000"])
+    p = make_partition(y, cfg, 10)
+    sizes = p.sizes()
+    assert len(sizes) == 100_000 and sizes.min() >= 10
+    assert np.array_equal(np.bincount(np.concatenate(p.train), minlength=len(y)), np.ones(len(y), np.int64))
+
+
+def test_top_up_takes_from_the_largest_down_to_a_common_level():
+    from raysim.data.partition import _top_up
+
+    sizes = [50, 30, 2, 5, 13, 12]
+    parts, start = [], 0
+    for s in sizes:
+        parts.append(np.arange(start, start + s))
+        start += s
+    out = _top_up(parts, 10, np.random.default_rng(0))
+    # 13 samples are short (8 + 5); the largest clients give down to a common level: 50 -> 37
+    assert [len(ix) for ix in out] == [37, 30, 10, 10, 13, 12]
+    assert np.array_equal(np.sort(np.concatenate(out)), np.arange(start))
+    assert set(out[2]) >= {80, 81} and set(out[2]) - {80, 81} <= set(range(50))  # its own two + the donor's

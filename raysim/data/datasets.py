@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -97,13 +98,48 @@ def _torchvision_load(name: str, cls, root: Path, download: bool, kwargs_train: 
 _IDX_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 
 
-def _gunzip_if_needed(raw: Path) -> None:
-    """Accept the distributed `.gz` IDX files as well as torchvision's extracted ones."""
+def _gunzip_if_needed(name: str, raw: Path) -> None:
+    """Accept the distributed `.gz` IDX files as well as torchvision's extracted ones. A file
+    is unpacked to a temporary name and renamed when whole, so a corrupt or truncated `.gz`
+    leaves nothing behind (and is named); an extracted file must hold what its header says."""
     for f in _IDX_FILES:
-        gz = raw / (f + ".gz")
-        if not (raw / f).exists() and gz.exists():
-            with gzip.open(gz, "rb") as src, open(raw / f, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+        gz, out = raw / (f + ".gz"), raw / f
+        if not out.exists() and gz.exists():
+            tmp = raw / (f + ".part")
+            try:
+                with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, bad CRC
+                tmp.unlink(missing_ok=True)
+                raise ConfigError(f"dataset {name!r}: {gz} is not a whole gzip file ({type(e).__name__}: "
+                                  f"{str(e)[:100] or 'truncated'}); fetch it again") from None
+            _check_idx(name, tmp, gz)
+            os.replace(tmp, out)
+        elif out.exists():
+            _check_idx(name, out, out)
+
+
+def _check_idx(name: str, path: Path, shown: Path) -> None:
+    """An IDX file holds a 4-byte magic (0, 0, type, ndim), ndim big-endian sizes and then
+    exactly prod(sizes) items; anything else is a corrupt or truncated file."""
+    itemsize = {0x08: 1, 0x09: 1, 0x0B: 2, 0x0C: 4, 0x0D: 4, 0x0E: 8}
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        ok = len(head) == 4 and head[:2] == b"\0\0" and head[2] in itemsize
+        if ok:
+            dims = fh.read(4 * head[3])
+            ok = len(dims) == 4 * head[3]
+    if ok:
+        expected = 4 + len(dims) + itemsize[head[2]] * int(np.prod(np.frombuffer(dims, ">u4"), dtype=np.int64))
+        ok = size == expected
+        why = f"its header says {expected} bytes, it has {size}"
+    else:
+        why = f"no IDX header ({size} bytes)"
+    if not ok:
+        if path != shown:
+            path.unlink(missing_ok=True)
+        raise ConfigError(f"dataset {name!r}: {shown} is corrupt or truncated ({why}); delete it and fetch it again")
 
 
 def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: DictConfig) -> FederatedData:
@@ -111,7 +147,7 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
     (mean,), (std,) = _scaling(cfg, (mean,), (std,))
     raw = root / folder / "raw"
     if raw.is_dir():
-        _gunzip_if_needed(raw)
+        _gunzip_if_needed(name, raw)
     train, test = _torchvision_load(name, cls, root, cfg.download, {"train": True}, {"train": False}, raw, _IDX_FILES)
     return FederatedData(
         name,
@@ -348,17 +384,43 @@ class Synthetic:
         if cfg.input_scale != "standardize":
             raise ConfigError("input_scale applies to image datasets; synthetic's features are not pixels "
                               "(leave input_scale=standardize)")
+        Synthetic.check_memory(cfg)
+
+    @staticmethod
+    def sizes(cfg: DictConfig, rng: np.random.Generator) -> np.ndarray:
+        """Samples per user: `samples_per_client`, or FedProx's log-normal sizes (the first
+        draw of the dataset's generator, so the memory check sees the sizes `load` makes)."""
+        s = cfg.synthetic
+        if s.samples_per_client > 0:
+            return np.full(int(cfg.num_clients), int(s.samples_per_client))
+        sizes = rng.lognormal(4, 2, int(cfg.num_clients)).astype(int) + 50
+        return np.minimum(sizes, 20000)  # keep the heavy tail from exhausting memory
+
+    @staticmethod
+    def check_memory(cfg: DictConfig) -> None:
+        """Refuse, with the numbers, a dataset this machine cannot hold: generating it keeps
+        about three copies of the features (generated, split, shared through the object
+        store) and each user's model."""
+        import psutil
+
+        s = cfg.synthetic
+        n_samples = int(Synthetic.sizes(cfg, np.random.default_rng([cfg.seed, 7])).sum())
+        d, c, n = int(s.dim), int(s.num_classes), int(cfg.num_clients)
+        need = n_samples * (3 * 4 * d + 4 * 8) + n * (12 * d * c + 8 * d)
+        have = psutil.virtual_memory().available
+        if need > 0.8 * have:
+            how = f"{s.samples_per_client} samples each" if s.samples_per_client > 0 else "FedProx's log-normal sizes"
+            raise ConfigError(f"dataset 'synthetic': {n} clients with {how} make {n_samples:,} samples x {d} "
+                              f"features, about {need / 2**30:.1f} GB to generate and share; this machine has "
+                              f"{have / 2**30:.1f} GB available: use fewer clients or a smaller "
+                              "synthetic.samples_per_client")
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
         s = cfg.synthetic
         n_users, d, c = int(cfg.num_clients), int(s.dim), int(s.num_classes)
         rng = np.random.default_rng([cfg.seed, 7])
-        if s.samples_per_client > 0:
-            sizes = np.full(n_users, int(s.samples_per_client))
-        else:
-            sizes = rng.lognormal(4, 2, n_users).astype(int) + 50
-            sizes = np.minimum(sizes, 20000)  # keep the heavy tail from exhausting memory
+        sizes = Synthetic.sizes(cfg, rng)
         sigma = np.arange(1, d + 1, dtype=np.float64) ** -1.2
         u = rng.normal(0, s.alpha, n_users)
         b_mean = rng.normal(0, s.beta, n_users)

@@ -37,35 +37,57 @@ def iid(y, n, p, rng, num_classes, users=None):
 
 def _redraw(draw, p, name: str, n: int, total: int, rng) -> list[np.ndarray]:
     """NIID-Bench's rule: redraw until every client holds at least `partition.min_size`
-    samples (default 10). NIID-Bench redraws forever; after `partition.max_draws` draws we
-    take the draw whose smallest client is largest and repair it: each client still short
-    takes random samples from the currently largest client (Dir(0.05) over 100 clients
-    needs this: fewer than 1 draw in 2,000 passes)."""
+    samples (default 10). NIID-Bench redraws forever; we stop after `partition.max_draws`
+    draws, or as soon as the draws so far leave on average 10 or more clients short (a
+    redraw then succeeds with probability about e^-10: 100,000 clients of 20 samples leave
+    thousands short, and each draw costs 0.5 s), and repair the draw whose smallest client
+    is largest: the clients still short take random samples from the largest ones."""
     if n * p.min_size > total:
         raise ConfigError(f"partition {name!r}: {n} clients x partition.min_size={p.min_size} exceeds the "
                           f"{total} training samples; use fewer clients or a smaller min_size")
-    best, best_smallest = None, -1
-    for _ in range(int(p.max_draws)):
+    best, best_smallest, short = None, -1, 0
+    for draws in range(1, int(p.max_draws) + 1):
         parts = draw()
-        smallest = min(len(ix) for ix in parts)
-        if smallest >= p.min_size:
+        sizes = np.fromiter((len(ix) for ix in parts), np.int64, len(parts))
+        if sizes.min() >= p.min_size:
             return parts
-        if smallest > best_smallest:
-            best, best_smallest = parts, smallest
+        if sizes.min() > best_smallest:
+            best, best_smallest = parts, int(sizes.min())
+        short += int((sizes < p.min_size).sum())
+        if short >= 10 * draws:
+            break
     return _top_up(best, int(p.min_size), rng)
 
 
 def _top_up(parts: list[np.ndarray], min_size: int, rng) -> list[np.ndarray]:
-    """Move random samples from the largest client to each client below `min_size`."""
+    """Bring every client to `min_size` with random samples of the largest clients, taken
+    down to a common level (water-filling from the top, never below min_size); the pooled
+    samples go to the short clients in client order. Vectorised: 100,000 clients take
+    well under a second."""
     parts = [np.asarray(ix) for ix in parts]
-    for i in np.argsort([len(ix) for ix in parts], kind="stable"):
-        need = min_size - len(parts[i])
-        if need <= 0:
-            continue
-        donor = int(np.argmax([len(ix) for ix in parts]))
-        take = rng.choice(len(parts[donor]), need, replace=False)
-        parts[i] = np.sort(np.concatenate([parts[i], parts[donor][take]]))
-        parts[donor] = np.delete(parts[donor], take)
+    sizes = np.fromiter((len(ix) for ix in parts), np.int64, len(parts))
+    need = np.maximum(0, min_size - sizes)
+    total = int(need.sum())
+    if total == 0:
+        return parts
+    over = lambda level: int(np.maximum(0, sizes - level).sum())  # noqa: E731  samples above a level
+    lo, hi = min_size, int(sizes.max())  # largest level whose surplus covers the need: over(lo) >= total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if over(mid) >= total else (lo, mid - 1)
+    give = np.maximum(0, sizes - (lo + 1))
+    extra = total - int(give.sum())  # one more from each of the first `extra` clients above the level
+    above = np.flatnonzero(sizes > lo)
+    give[above[np.argsort(-sizes[above], kind="stable")][:extra]] += 1
+    pool = []
+    for d in np.flatnonzero(give):
+        take = rng.choice(len(parts[d]), int(give[d]), replace=False)
+        pool.append(parts[d][take])
+        parts[d] = np.delete(parts[d], take)
+    pool = np.concatenate(pool)
+    starts = np.concatenate([[0], np.cumsum(need)])
+    for i in np.flatnonzero(need):
+        parts[i] = np.sort(np.concatenate([parts[i], pool[starts[i]:starts[i + 1]]]))
     return parts
 
 
@@ -155,7 +177,8 @@ def power_law(y, n, p, rng, num_classes, users=None):
     w = rng.lognormal(0, p.sigma, n)
     sizes = p.min_size + np.floor(w / w.sum() * extra).astype(int)
     sizes[np.argmax(w)] += len(y) - sizes.sum()
-    return _by_sizes(y, sizes / len(y), rng)
+    perm = rng.permutation(len(y))
+    return [np.sort(part) for part in np.split(perm, np.cumsum(sizes)[:-1])]  # exact sizes, no float cuts
 
 
 @PARTITIONS.register("natural")
