@@ -71,9 +71,12 @@ class ResourcesConfig:
     clients_per_actor: Any = "auto"  # "auto" (one actor per CPU share) or an int; 1 = actor per client
     num_actors: Optional[int] = None  # this many client actors (wins over clients_per_actor); on an
     # autoscaling cluster the autoscaler adds nodes until they fit
-    num_cpus_per_actor: float = 1.0
+    num_cpus_per_actor: Optional[float] = None  # None: 1 CPU each, or an equal share of the CPUs when
+    # clients_per_actor asks for more actors than there are CPUs
     num_gpus_per_actor: float = 0.0
     torch_threads: int = 1  # torch intra-op threads in each client actor
+    placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster
+    # that autoscales adds nodes meanwhile); then the run stops with one line, nothing written
 
 
 @dataclass
@@ -234,17 +237,71 @@ RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume")
 
 
 def resume_layers(run_dir: str, config_files: list, overrides: dict) -> Layers:
-    """The layers of a resumed run: its saved config.yaml, then the overrides that may change."""
+    """The layers of a resumed run: its saved config.yaml, then the overrides that may change.
+
+    A run directory may come from anyone, so its config.yaml names no code on its own: the
+    plugin modules it lists are imported only when the command line names them too."""
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"resume={run_dir!r}: no run there ({saved} not found)")
     if config_files:
         raise ConfigError("resume: --config files cannot be combined with resume; the run's own config.yaml is used")
-    changed = sorted(k for k in overrides if k not in RESUMABLE_KEYS)
+    changed = sorted(k for k in overrides if k not in RESUMABLE_KEYS + ("plugins",))
     if changed:
         raise ConfigError(f"resume: {', '.join(changed)} cannot change when resuming (the run's config is {saved}); "
                           f"only rounds, checkpoint_every, ray.* and resources.* can")
-    return [(str(saved), _read_yaml(str(saved))), ("the command-line overrides", overrides)]
+    data = _read_yaml(str(saved))
+    named, given = _names(data.get("plugins")), _names(overrides.get("plugins"))
+    if named and sorted(given) != sorted(named):
+        raise ConfigError(f"resume: {saved} lists plugins {named}; raysim imports no code named by a run directory: "
+                          f"if you trust these modules, name them on the command line: plugins=[{','.join(named)}]")
+    if sorted(given) != sorted(named):
+        raise ConfigError(f"resume: plugins={given} differs from the run's plugins {named} ({saved})")
+    return [(str(saved), data), ("the command-line overrides", overrides)]
+
+
+def _names(value) -> list[str]:
+    """A `plugins` value (a module name or a list of them) as a list of names."""
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+# What a resumed run must share with the run that wrote its checkpoint: every key but where it
+# runs, how long, and where it reads and writes.
+NOT_COMPUTING = RESUMABLE_KEYS + ("data_dir", "output_dir", "run_name", "download", "plugins")
+
+
+def run_record(cfg: DictConfig) -> dict:
+    """The config as {dotted key: value} for the keys that decide what a run computes; kept in
+    each checkpoint so that a resumed run with an edited config.yaml is refused by key."""
+    out: dict = {}
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        else:
+            out[key] = node
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    walk({k: v for k, v in plain.items() if k not in NOT_COMPUTING}, "")
+    return out
+
+
+def check_resumable(record: Optional[dict], cfg: DictConfig, where: str) -> None:
+    """Refuse to resume when the run's config.yaml no longer says what its checkpoint was made with."""
+    if record is None:
+        raise ConfigError(f"resume: the checkpoint in {where} has no record of the config it was made with "
+                          "(written by an older raysim), so config.yaml cannot be checked against it")
+    now = run_record(cfg)
+    missing = object()
+    diff = [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)]
+    if diff:
+        k = diff[0]
+        more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
+        raise ConfigError(f"resume: {where}/config.yaml no longer matches the config its checkpoint was made with: "
+                          f"{k} was {record.get(k)!r}, is {now.get(k)!r}{more}; restore config.yaml or start a new run")
 
 
 def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
@@ -330,6 +387,7 @@ def validate(cfg: DictConfig) -> None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,
              f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
     name = cfg.run_name
     need(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
          f"run_name={name!r} must be a plain folder name inside output_dir (no '/', '\\' or '..')")
@@ -372,9 +430,13 @@ def validate(cfg: DictConfig) -> None:
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),
          f"resources.clients_per_actor must be 'auto' or an integer >= 1, got {cpa!r}")
     need(r.num_actors is None or r.num_actors >= 1, f"resources.num_actors must be >= 1, got {r.num_actors}")
-    need(r.num_cpus_per_actor >= 0, f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
+    need(r.num_cpus_per_actor is None or r.num_cpus_per_actor >= 0,
+         f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
+    need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
+    need(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1,
+         f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {cfg.ray.num_cpus}")
     for reg, key in ((registry.ALGORITHMS, "algorithm"), (registry.SELECTIONS, "selection"), (registry.DATASETS, "dataset")):
         check = getattr(reg.get(cfg[key]), "validate_config", None)
         if check is not None:

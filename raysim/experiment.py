@@ -39,7 +39,14 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
 def run_dir_for(cfg: DictConfig) -> Path:
     """`output_dir/run_name` (default name: algorithm-dataset-timestamp); must not exist."""
     name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.output_dir) / name
+    out = Path(cfg.output_dir)
+    for folder in (out, *out.parents):  # the nearest part of output_dir that exists must be a folder
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder; "
+                                  "choose another output_dir")
+            break
+    run_dir = out / name
     if run_dir.exists():
         raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
     return run_dir

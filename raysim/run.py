@@ -1,9 +1,11 @@
 """`python -m raysim.run`: the command-line entry point.
 
-The CLI process stays light (no torch, no plugins): it reads the config layers, starts or
-joins Ray, starts the driver actor, streams progress and prints where the results are.
-The driver resolves and checks the config, loads and partitions the data and only then
-writes anything; every input problem comes back as one line and exit code 2.
+The CLI reads the config layers and checks everything that needs no data (names, keys,
+values, the run directory) before Ray starts, so a typo costs a second or two; then it
+starts a local Ray (listening on loopback only) or joins `ray.address`, starts the driver
+actor, waits (bounded) for the client actors to be placed, streams progress and prints
+where the results are. The driver loads and partitions the data and checks it, and only
+then writes anything; every input problem comes back as one line and exit code 2.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import os
 import sys
 import time
 
-from raysim.config import ConfigError, read_layers, ray_section
+from raysim.config import ConfigError, ray_section, read_layers, resolve
 from raysim.errors import RunDiverged
 
 
@@ -44,21 +46,62 @@ def list_plugins() -> str:
 
 def start_ray(ray_cfg) -> bool:
     """Connect to `ray.address`, or start a local Ray. Returns True if we started it."""
+    if not ray_cfg.address:
+        # Ray binds its servers to the node's IP address and, when that address is loopback,
+        # to loopback only; this setting makes a single-machine Ray take 127.0.0.1 (read when
+        # ray is first imported, so before that).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
     kw = dict(logging_level=logging.ERROR, log_to_driver=False)
     if ray_cfg.address:
-        ray.init(address=ray_cfg.address, **kw)
+        check_reachable(ray_cfg.address)
+        try:
+            ray.init(address=ray_cfg.address, **kw)
+        except ConnectionError as e:
+            raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {_first_line(e)}") from None
         return False
-    ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard), **kw)
+    try:
+        ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard), **kw)
+    except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
+        raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {_first_line(e)}); Ray's logs "
+                          "are in its temp folder's session_latest/logs; a time-out here means the machine was "
+                          "too loaded: retry") from None
     return True
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail within `timeout` seconds when nothing listens at a host:port `ray.address`
+    (Ray itself retries for minutes). 'auto' is left to Ray, which answers at once."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in hostport:
+        return
+    host, port = hostport.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ray.address={address!r}: nothing answers at {host}:{port} ({type(e).__name__}: "
+                          f"{_first_line(e) or 'timed out'}); check the address and port (the head node's "
+                          "`ray status`), that the head node runs, and that firewalls / security groups "
+                          "let this machine in") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+class DriverDied(Exception):
+    """The driver actor's process died mid-run (killed, out of memory)."""
+
+
 def launch(layers: list, t_start: float, progress: bool = True) -> dict:
-    """Start the driver actor on this node (it writes the run directory here), run every
-    round, return the summary."""
+    """Start the driver actor on this node (it writes the run directory here), wait for the
+    client actors, run every round, return the summary."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -69,8 +112,11 @@ def launch(layers: list, t_start: float, progress: bool = True) -> dict:
         name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(t_start)
     bar = None
+    run_dir = None
     try:
-        info = ray.get(driver.setup.remote(layers, os.getcwd()))
+        wait_for_actors(driver, ray.get(driver.setup.remote(layers, os.getcwd())))
+        info = ray.get(driver.open_run.remote())
+        run_dir = info["run_dir"]
         print(f"raysim: {info['banner']}", file=sys.stderr)
         if progress:
             from tqdm import tqdm
@@ -84,6 +130,11 @@ def launch(layers: list, t_start: float, progress: bool = True) -> dict:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
         return ray.get(driver.finish.remote())
+    except ray.exceptions.ActorDiedError as e:
+        if run_dir is None:
+            raise
+        raise DriverDied(f"the server process died in the run's middle ({_first_line(e)[:120]}); "
+                         f"`python -m raysim.run resume={run_dir}` continues it from its last checkpoint") from None
     except BaseException:  # a crash or Ctrl-C: keep the metrics of the rounds that ran
         try:
             ray.get(driver.flush.remote(), timeout=30)
@@ -94,6 +145,32 @@ def launch(layers: list, t_start: float, progress: bool = True) -> dict:
         if bar is not None:
             bar.close()
         ray.kill(driver)
+
+
+def wait_for_actors(driver, info: dict) -> None:
+    """Wait until every client actor is placed and started, saying what it waits for every
+    10 s; after `resources.placement_timeout` seconds stop with one line (nothing is written
+    before this: the driver opens the run directory after)."""
+    import ray
+
+    n, limit = info["actors"], info["placement_timeout"]
+    t0 = time.time()
+    said = t0
+    while True:
+        placed = ray.get(driver.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
+        if placed == n:
+            return
+        waited = time.time() - t0
+        free = ray.available_resources()
+        have = f"{free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs free in the cluster"
+        if waited >= limit:
+            raise ConfigError(f"resources: {n - placed} of {n} client actors ({info['needs']} each) were not placed "
+                              f"within resources.placement_timeout={limit:g} s ({have}); add nodes, lower "
+                              "resources.num_cpus_per_actor / num_gpus_per_actor, or use fewer actors")
+        if time.time() - said >= 10:
+            said = time.time()
+            print(f"raysim: waiting for {n - placed} of {n} client actors ({info['needs']} each; {have}): "
+                  f"{waited:.0f} s of resources.placement_timeout={limit:g} s", file=sys.stderr)
 
 
 def _local(args) -> int:
@@ -124,17 +201,22 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
             return _local(args)
         layers = read_layers(args.config, args.overrides)
         ray_cfg = ray_section(layers)
+        cfg = resolve(layers, os.getcwd())  # every check that needs no data, before Ray starts
+        if cfg.resume:
+            from raysim.runtime.checkpoint import load_checked
+
+            load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
+        else:
+            from raysim.experiment import run_dir_for
+
+            run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
+        started = start_ray(ray_cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     import ray
 
-    try:
-        started = start_ray(ray_cfg)
-    except ConnectionError as e:
-        print(f"error: ray.address={ray_cfg.address!r}: cannot connect: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
     try:
         summary = launch(layers, t_start, progress=not args.quiet)
     except ConfigError as e:  # raised by the driver while resolving and checking the input
@@ -143,6 +225,9 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     except RunDiverged as e:  # the loss or the model turned non-finite: the rounds before are kept
         print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return 3
+    except DriverDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: the rounds that ran are in the run directory", file=sys.stderr)
         return 130

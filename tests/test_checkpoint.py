@@ -62,7 +62,7 @@ def test_killed_driver_resumes_to_the_same_final_model(ray_local, tmp_path):
     assert ran[-1] < 8  # stopped mid-run
 
     # resumed (here on the test session's Ray: another cluster, another number of actors)
-    assert main(["resume=" + str(killed), "--quiet"]) == 0
+    assert main(["resume=" + str(killed), "plugins=[stateful_plugin]", "--quiet"]) == 0
     # the same run uninterrupted
     assert main([*RUN, f"output_dir={tmp_path}", "run_name=whole"]) == 0
     whole = tmp_path / "whole"

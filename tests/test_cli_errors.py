@@ -22,6 +22,12 @@ CASES = [
     (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
     (["local.lr=inf"], "local.lr=inf is not a finite number"),
     (["run_name=../../x"], "run_name='../../x' must be a plain folder name inside output_dir"),
+    (["seed=-1"], "seed must be in [0, 2**32), got -1"),
+    (["dataset=synthetic", "num_clients=1000000"], "1000000 clients with FedProx's log-normal sizes make"),
+    (["ray.num_cpus=0"], "ray.num_cpus must be >= 1"),
+    (["resources.num_gpus_per_actor=0.5"], "client actors need 1 CPU + 0.5 GPU each, but this machine's Ray can hold 0"),
+    (["resources.clients_per_actor=1", "resources.num_cpus_per_actor=1", "num_clients=4", "ray.num_cpus=2"],
+     "4 client actors need 1 CPU each, but this machine's Ray can hold 2"),
 ]
 
 
@@ -38,6 +44,33 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()  # nothing half-written
+
+
+def test_checks_that_need_no_data_answer_before_ray_starts(tmp_path):
+    """With Ray unable to start (its temp folder under a file), a config problem is still
+    the one line: it was found before Ray was asked to start."""
+    import os
+
+    (tmp_path / "a-file").write_text("")
+    no_ray = dict(os.environ, RAY_TMPDIR=str(tmp_path / "a-file" / "ray"))
+    for args, message in ((["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm"),
+                          ([f"output_dir={tmp_path / 'a-file' / 'runs'}"], "a-file is a file, not a folder"),
+                          (["algorithm=fedprox", "fedprox.mu=-1"], "fedprox.mu must be >= 0")):
+        r = subprocess.run([sys.executable, "-m", "raysim.run", *args], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=120, env=no_ray)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_an_address_where_nothing_listens_fails_at_once(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli([f"ray.address=127.0.0.1:{port}", f"output_dir={tmp_path / 'runs'}"], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"ray.address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port}" in r.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):

@@ -124,3 +124,20 @@ def test_two_node_run_spreads_actors_matches_one_node_and_exports_metrics(ray_lo
     assert main([*RUN, "resources.clients_per_actor=12", f"output_dir={tmp_path}", "run_name=one"]) == 0
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("cluster", "one"))
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_actors_a_cluster_cannot_place_stop_the_run_after_the_placement_timeout(two_nodes, tmp_path):
+    """A joined cluster may autoscale, so raysim waits for placement, but boundedly: 3-CPU
+    actors on 2-CPU nodes end with one line once resources.placement_timeout passes, and
+    nothing is written."""
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "raysim.run", "dataset=digits", "num_clients=4", "rounds=1", "--quiet",
+                        f"ray.address={two_nodes['address']}", "resources.num_cpus_per_actor=3",
+                        "resources.placement_timeout=4", f"output_dir={tmp_path / 'runs'}"],
+                       env=two_nodes["env"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "1 of 1 client actors (3 CPU each) were not placed within " \
+        "resources.placement_timeout=4 s" in lines[0], r.stderr
+    assert time.time() - t0 < 120  # bounded, not Ray's forever
+    assert not (tmp_path / "runs").exists()

@@ -22,6 +22,10 @@ def test_cluster_config_is_valid_for_ray_up(name):
     head = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head  # the Dashboard is never opened to the world
     assert any("pip install" in c and "~/raysim" in c for c in config["setup_commands"])
+    # token authentication on every node, from a token file the launcher copies there
+    for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        assert "ray stop" in c or "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/.raysim/ray_token" in c, c
+    assert config["file_mounts"]["~/.raysim/ray_token"] == "~/.raysim/ray_token"
 
 
 def test_schema_rejects_a_misspelt_field():

@@ -105,6 +105,7 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
                               "rounds=4", f"output_dir={tmp_path}", "run_name=idle"])
     server = FederatedServer(time.time())
     server.setup(layers, os.getcwd())
+    server.open_run()
     assert server.step(1)["dropped"] == 0
     pid = server.actor_info()[0]["pid"]
     ray.kill(server.actors[0], no_restart=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from raysim.config import ConfigError
+from raysim.config import ConfigError, check_resumable
 
 FILE = "checkpoint.pt"
 
@@ -26,7 +26,20 @@ def save(run_dir: Path, state: dict) -> None:
     os.replace(tmp, Path(run_dir) / FILE)
 
 
-def load(run_dir: Path) -> dict:
+def load_checked(cfg) -> dict:
+    """The checkpoint of the run `cfg.resume`, after checking that the run's config.yaml still
+    says what the checkpoint was made with and that `rounds` reaches past it. Tensors are
+    memory-mapped, so the CLI can check a big checkpoint before Ray starts at little cost."""
+    run_dir = Path(cfg.resume)
+    ckpt = load(run_dir, mmap=True)
+    check_resumable(ckpt.get("config"), cfg, str(run_dir))
+    if ckpt["round"] > int(cfg.rounds):
+        raise ConfigError(f"resume: rounds={cfg.rounds} but the checkpoint in {run_dir} is after "
+                          f"round {ckpt['round']}; give rounds >= {ckpt['round']}")
+    return ckpt
+
+
+def load(run_dir: Path, mmap: bool = False) -> dict:
     """The run's checkpoint, read only with torch's safe loader (tensors, plain containers
     and the globals registered with `torch.serialization.add_safe_globals`): a run directory
     may come from anyone, and the full unpickler would run any code its file names. A
@@ -36,7 +49,7 @@ def load(run_dir: Path) -> dict:
         raise ConfigError(f"resume={str(run_dir)!r}: no checkpoint ({path} not found): the run stopped before "
                           "its first checkpoint, or ran with checkpoint_every=0")
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"resume: {path} holds objects the safe loader refuses ({first[:160]}); raysim never "

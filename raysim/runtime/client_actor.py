@@ -19,11 +19,11 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.algorithm import Client
-from raysim.config import augmentation_name
+from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
-from raysim.runtime.placement import num_actors
+from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import seed_for
 
@@ -133,15 +133,32 @@ def _warm_up(device: torch.device) -> None:
     torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()
 
 
-def start_client_actors(cfg, run: str) -> list:
+def start_client_actors(cfg, run: str) -> tuple[list, str]:
     """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
     share and GPU fraction, spread over the cluster's nodes, named `raysim-client-<i>.<run>`
-    (the Dashboard's actor view), restarted by Ray if its process dies."""
+    (the Dashboard's actor view), restarted by Ray if its process dies. Returns the
+    actors and what each reserves, e.g. '1 CPU'.
+
+    On a local Ray (no `ray.address`) actors the machine cannot hold are refused now, with
+    the numbers; a joined cluster may autoscale, so there the CLI waits for placement
+    (bounded by `resources.placement_timeout`, see `FederatedServer.placed`)."""
     res = cfg.resources
     total = ray.cluster_resources()
-    n = num_actors(cfg, total.get("CPU", 1), total.get("GPU", 0))
-    options = dict(num_cpus=float(res.num_cpus_per_actor), num_gpus=float(res.num_gpus_per_actor),
-                   max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
+    n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))
+    cpus, gpus = cpus_per_actor(cfg, n, total.get("CPU", 0)), float(res.num_gpus_per_actor)
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    fit = actors_that_fit(nodes, cpus, gpus)
+    if fit < n and cfg.ray.address is None:
+        raise ConfigError(f"resources: {n} client actors need {describe(cpus, gpus)} each, but this machine's Ray "
+                          f"can hold {fit} ({total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs); lower "
+                          "resources.num_cpus_per_actor / num_gpus_per_actor or use fewer actors "
+                          "(resources.num_actors, resources.clients_per_actor)")
+    options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
     cls = ray.remote(ClientActor)
     plain = OmegaConf.to_container(cfg)
-    return [cls.options(name=f"raysim-client-{i}.{run}", **options).remote(plain) for i in range(n)]
+    return [cls.options(name=f"raysim-client-{i}.{run}", **options).remote(plain) for i in range(n)], describe(cpus, gpus)
+
+
+def describe(cpus: float, gpus: float) -> str:
+    """'1 CPU', '0.5 CPU + 0.25 GPU': what one client actor reserves."""
+    return " + ".join(f"{v:g} {k}" for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0) or "no CPU or GPU"

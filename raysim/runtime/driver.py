@@ -19,6 +19,12 @@ class ServerDriver:
     def setup(self, layers: list, cwd: str) -> dict:
         return self.server.setup(layers, cwd)
 
+    def placed(self, timeout: float) -> int:
+        return self.server.placed(timeout)
+
+    def open_run(self) -> dict:
+        return self.server.open_run()
+
     def step(self, rnd: int) -> dict:
         return self.server.step(rnd)
 

@@ -22,12 +22,34 @@ def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int
         return min(n, int(r.num_actors))
     if r.clients_per_actor != "auto":
         return math.ceil(n / int(r.clients_per_actor))
+    cpus = 1.0 if r.num_cpus_per_actor is None else float(r.num_cpus_per_actor)
     fits = []
-    if r.num_cpus_per_actor > 0:
-        fits.append(int(cluster_cpus // r.num_cpus_per_actor))
+    if cpus > 0:
+        fits.append(int(cluster_cpus // cpus))
     if r.num_gpus_per_actor > 0:
         fits.append(int(cluster_gpus // r.num_gpus_per_actor))
     return max(1, min([n, *fits]))
+
+
+def cpus_per_actor(cfg: DictConfig, n_actors: int, cluster_cpus: float) -> float:
+    """What each client actor reserves: `num_cpus_per_actor` when set; else 1 CPU, or an equal
+    share of the CPUs when `clients_per_actor` asks for more actors than there are CPUs
+    (one process per client on a laptop runs, slower, instead of waiting forever)."""
+    r = cfg.resources
+    if r.num_cpus_per_actor is not None:
+        return float(r.num_cpus_per_actor)
+    if r.num_actors is None and n_actors > cluster_cpus >= 1:
+        return math.floor(cluster_cpus / n_actors * 1e4) / 1e4  # Ray keeps 4 decimals of a fraction
+    return 1.0
+
+
+def actors_that_fit(nodes: list[Mapping[str, float]], cpus: float, gpus: float) -> int:
+    """How many actors of (cpus, gpus) the nodes' total resources can hold (each actor on one node)."""
+    total = 0
+    for res in nodes:
+        fits = [int(res.get(kind, 0.0) / need + 1e-9) for kind, need in (("CPU", cpus), ("GPU", gpus)) if need > 0]
+        total += min(fits) if fits else 10**9
+    return total
 
 
 def assign(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_client: bool) -> list[tuple[int, list[int]]]:

@@ -28,7 +28,7 @@ import ray
 import torch
 
 from raysim.algorithm import ClientResult
-from raysim.config import ConfigError, clients_per_round, resolve, to_yaml
+from raysim.config import ConfigError, clients_per_round, resolve, run_record, to_yaml
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
 from raysim.experiment import prepare, run_dir_for
@@ -52,21 +52,19 @@ class FederatedServer:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     def setup(self, layers: list, cwd: str) -> dict:
-        """Resolve the config, load and partition the data, check everything, and only then
-        put the data in the object store and create the run directory (the client actors
-        start meanwhile). Input problems raise `ConfigError` before anything is written."""
+        """Resolve the config, check a resumed run against its checkpoint, start the client
+        actors and, while they start, load and partition the data and put it in the object
+        store. Input problems raise `ConfigError`; nothing is written yet (see `open_run`)."""
         self.cfg = resolve(layers, cwd)
-        ckpt = None
+        self.ckpt = None
         if self.cfg.resume:
-            run_dir = Path(self.cfg.resume)
-            ckpt = checkpoint.load(run_dir)
-            if ckpt["round"] > int(self.cfg.rounds):
-                raise ConfigError(f"resume: rounds={self.cfg.rounds} but the checkpoint in {run_dir} is after "
-                                  f"round {ckpt['round']}; give rounds >= {ckpt['round']}")
+            self.run_dir = Path(self.cfg.resume)
+            self.ckpt = checkpoint.load_checked(self.cfg)
         else:
-            run_dir = run_dir_for(self.cfg)
+            self.run_dir = run_dir_for(self.cfg)
         # The client actors start now, while the data loads: each needs ~1.5 s for torch.
-        self.actors = start_client_actors(self.cfg, run_dir.name)
+        self.actors, self.actor_needs = start_client_actors(self.cfg, self.run_dir.name)
+        self._ready = [a.device_info.remote() for a in self.actors]
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:
@@ -85,17 +83,27 @@ class FederatedServer:
             self.num_clients, n_slow, replace=False).tolist())
         self.num_classes = num_classes
         self.input_shape = data.input_shape
-        del data  # the object store has the training arrays now
         self.n_actors = len(self.actors)
         self.one_per_client = self.cfg.resources.clients_per_actor == 1
+        return {"actors": self.n_actors, "needs": self.actor_needs,
+                "placement_timeout": float(self.cfg.resources.placement_timeout)}
 
+    def placed(self, timeout: float) -> int:
+        """How many client actors have been placed and have started (waits up to `timeout` s)."""
+        ready, _ = ray.wait(self._ready, num_returns=len(self._ready), timeout=timeout)
+        return len(ready)
+
+    def open_run(self) -> dict:
+        """Create (or, resuming, reopen) the run directory and set up the algorithm and the
+        selection: from here on the run writes."""
+        ckpt, run_dir = self.ckpt, self.run_dir
         saved = self.cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
         self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=ckpt["round"] if ckpt else None)
-        self.writer.log(f"{self.n_actors} client actors for {self.num_clients} clients")
+        self.writer.log(f"{self.n_actors} client actors ({self.actor_needs} each) for {self.num_clients} clients")
         self.metrics = RayMetrics(run_dir.name)
-        self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, self.input_shape)
-        self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, num_classes)
+        self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, self.num_classes, self.input_shape)
+        self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, self.num_classes)
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
         self._round_records: list[dict] = []
         self._selected: Optional[list[int]] = None  # the last cohort select_clients returned
@@ -113,10 +121,11 @@ class FederatedServer:
         if ckpt is not None:
             self._restore(ckpt)
             self.writer.log(f"checkpoint of round {ckpt['round']} loaded (weights only)")
+            self.ckpt = None
         return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(run_dir),
                 "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
                           f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
-                          f"{self.cfg.rounds} rounds, {self.n_actors} client actors"}
+                          f"{self.cfg.rounds} rounds, {self.n_actors} client actors ({self.actor_needs} each)"}
 
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:
@@ -333,6 +342,7 @@ class FederatedServer:
         self.writer.flush_tables()
         checkpoint.save(self.writer.dir, {
             "round": rnd,
+            "config": run_record(self.cfg),  # a resumed run's config.yaml must still say this
             "algorithm": self.algorithm.state_dict(),
             "selection": self.selection.state_dict(),
             "client_states": {c: unpack(s) for c, s in zip(cids, states)},
