@@ -10,6 +10,7 @@ then writes anything; every input problem comes back as one line and exit code 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -46,30 +47,48 @@ def list_plugins() -> str:
 
 def start_ray(ray_cfg) -> bool:
     """Connect to `ray.address`, or start a local Ray. Returns True if we started it."""
-    if not ray_cfg.address:
-        # Ray binds its servers to the node's IP address and, when that address is loopback,
-        # to loopback only; this setting makes a single-machine Ray take 127.0.0.1 (read when
-        # ray is first imported, so before that).
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
+    if "ray" in sys.modules:
+        import ray
 
-    if ray.is_initialized():
-        return False
-    kw = dict(logging_level=logging.ERROR, log_to_driver=False)
+        if ray.is_initialized():
+            return False
     if ray_cfg.address:
+        import ray
+
         check_reachable(ray_cfg.address)
         try:
-            ray.init(address=ray_cfg.address, **kw)
+            ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {_first_line(e)}") from None
         return False
-    try:
-        ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard), **kw)
-    except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
-        raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {_first_line(e)}); Ray's logs "
-                          "are in its temp folder's session_latest/logs; a time-out here means the machine was "
-                          "too loaded: retry") from None
+    with loopback_only():
+        import ray
+
+        try:
+            ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
+                     logging_level=logging.ERROR, log_to_driver=False)
+        except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
+            raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {_first_line(e)}); Ray's "
+                              "logs are in its temp folder's session_latest/logs; a time-out here means the "
+                              "machine was too loaded: retry") from None
     return True
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Ray binds its servers to the node's IP address, and to loopback only when that address
+    is 127.0.0.1. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (Ray's laptop setting, read when ray
+    is first imported) makes a single-machine Ray take 127.0.0.1. Set only while the local
+    Ray starts: a multi-node `ray start` later in this process's children would refuse it."""
+    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    ours = key not in os.environ and "ray" not in sys.modules
+    if ours:
+        os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if ours:
+            os.environ.pop(key, None)
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -132,3 +132,20 @@ def test_ray_that_cannot_start_is_one_line(tmp_path):
             env=dict(os.environ, RAY_TMPDIR=str(tmp_path / "a-file" / "ray")), timeout=120)
     assert r.returncode == 2 and "Ray did not start on this machine" in one_error_line(r)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_corrupt_dataset_file_is_named_and_leaves_nothing(tmp_path):
+    """A download that saved an error page as a .gz: one line naming the file, no 0-byte
+    unpacked file left to break the next run, no run directory."""
+    import gzip
+
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in ("train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (raw / f"{f}.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\0"))  # whole, empty IDX files
+    (raw / "train-images-idx3-ubyte.gz").write_bytes(b"<html>503 Service Unavailable</html>")
+    r = cli(["dataset=mnist", "model=cnn", "download=false", f"data_dir={tmp_path / 'data'}", "rounds=1",
+             f"output_dir={tmp_path / 'runs'}"], tmp_path)
+    assert r.returncode == 2
+    assert f"{raw / 'train-images-idx3-ubyte.gz'} is not a whole gzip file" in one_error_line(r)
+    assert not (raw / "train-images-idx3-ubyte").exists() and not (tmp_path / "runs").exists()
