@@ -221,8 +221,7 @@ Layers = list  # [(source name, plain dict)], lowest priority first
 
 def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:
     """Read default.yaml, the given files and the overrides into plain dicts, without the
-    schema (so without importing any plugin, torch included): the CLI process stays light.
-    With `resume=RUN_DIR` the run's own config.yaml is the only file (see `resume_layers`)."""
+    schema: the form the CLI sends to the driver, which resolves them (`resolve`). With `resume=RUN_DIR` the run's own config.yaml is the only file (see `resume_layers`)."""
     over = _parse_overrides(overrides)
     if over.get("resume") is not None:
         return resume_layers(str(over["resume"]), list(config_files), over)
@@ -324,23 +323,6 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
 def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
     """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
     return resolve(read_layers(config_files, overrides, use_default))
-
-
-def ray_section(layers: Layers) -> DictConfig:
-    """Just the `ray` section, typed and checked, without importing plugins: what the CLI
-    needs to start or join Ray before the driver resolves the rest."""
-    cfg = OmegaConf.structured(RayConfig)
-    for source, data in layers:
-        section = data.get("ray")
-        if section is not None:
-            if not isinstance(section, dict):
-                raise ConfigError(f"config key 'ray' in {source} must be a mapping")
-            try:
-                cfg = OmegaConf.merge(cfg, section)
-            except OmegaConfBaseException as e:
-                key = getattr(e, "full_key", None) or "?"
-                raise ConfigError(f"bad config key or value 'ray.{key}' in {source}: {str(e).splitlines()[0]}") from None
-    return cfg
 
 
 def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:

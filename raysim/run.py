@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from raysim.config import ConfigError, ray_section, read_layers, resolve
+from raysim.config import ConfigError, read_layers, resolve
 from raysim.errors import RunDiverged
 
 
@@ -219,7 +219,6 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         if args.print_config or args.show_partition:
             return _local(args)
         layers = read_layers(args.config, args.overrides)
-        ray_cfg = ray_section(layers)
         cfg = resolve(layers, os.getcwd())  # every check that needs no data, before Ray starts
         if cfg.resume:
             from raysim.runtime.checkpoint import load_checked
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
             from raysim.experiment import run_dir_for
 
             run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
-        started = start_ray(ray_cfg)
+        started = start_ray(cfg.ray)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

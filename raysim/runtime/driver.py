@@ -1,8 +1,8 @@
 """The named driver actor, `raysim-server`, as the CLI sees it.
 
-A thin shell so that the CLI process never imports torch or any plugin: the actor
-process imports `raysim.runtime.server` (and with it torch) when it starts, and every
-call is handed to the `FederatedServer` there.
+A thin shell: the actor process imports `raysim.runtime.server` when it starts, and every
+call is handed to the `FederatedServer` there. The CLI sends the config layers (plain
+dicts), which the driver resolves again in its own process.
 """
 from __future__ import annotations
 
