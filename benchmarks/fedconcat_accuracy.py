@@ -32,7 +32,7 @@ COMMON = ["partition=classes", "partition.k=2", "num_clients=40", "participation
           "local.epochs=10", "local.batch_size=64", "local.lr=0.01", "local.momentum=0.9", "eval_every=1",
           "checkpoint_every=0", "--quiet"]
 DATA = ["dataset=digits", "model=mlp"]
-CONCAT = ["rounds=231", "{a}.encoder_rounds=31", "{a}.clusters=5", "{a}.classifier_steps=3"]
+CONCAT = ["rounds=231", "fedconcat.encoder_rounds=31", "fedconcat.clusters=5", "fedconcat.classifier_steps=3"]
 
 
 def run(args: list[str], out: str, name: str) -> list[dict]:
@@ -79,7 +79,7 @@ def main() -> int:
         for seed in args.seeds:
             avg = run(["algorithm=fedavg", f"rounds={fedavg_rounds}", f"seed={seed}"], out, f"fedavg-{seed}")
             for a in ("fedconcat", "fedconcat_id"):
-                m = run([f"algorithm={a}", f"seed={seed}", *(c.format(a=a) for c in CONCAT)], out, f"{a}-{seed}")
+                m = run([f"algorithm={a}", f"seed={seed}", *CONCAT], out, f"{a}-{seed}")
                 budget = total_bytes(m[-1])
                 within = [r for r in avg if total_bytes(r) <= budget]
                 if len(within) == len(avg):

@@ -1,10 +1,14 @@
 """Typed run configuration: OmegaConf structured configs, layering and validation.
 
-A config is `configs/default.yaml` < each `--config FILE` < `key=value` overrides, merged
-onto a typed schema so that an unknown key or a wrongly typed value is caught by name.
-Plugins (algorithms, selections, datasets) add their own section under their name, e.g.
-`fedprox.mu`, from the `Config` dataclass they declare. Every problem is raised as a
-`ConfigError` whose message is one line naming the key or file and what is allowed.
+A config is `default.yaml` < the config groups of the chosen names (`dataset/<dataset>.yaml`,
+`algorithm/<algorithm>.yaml`, `selection/<selection>.yaml`, as Hydra's config groups) < each
+`--config FILE` < `key=value` overrides, merged onto a typed schema so that an unknown key
+or a wrongly typed value is caught by name. The shipped YAML files are package data
+(`raysim/configs/`), so an installed raysim reads the same defaults as a clone. Plugins
+(algorithms, selections, datasets) add their own section, e.g. `fedprox.mu`, from the
+`Config` dataclass they declare; a section the run does not use may not be set on the
+command line. Every problem is raised as a `ConfigError` whose message is one line naming
+the key or file and what is allowed.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from raysim import registry
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # shipped in the package (pyproject package-data)
+DEFAULT_YAML = CONFIG_DIR / "default.yaml"
+GROUPS = ("dataset", "algorithm", "selection")  # config groups: choosing a name applies <group>/<name>.yaml
 
 
 class ConfigError(Exception):
@@ -103,7 +108,7 @@ class FaultsConfig:
 
     crash_round: int = -1  # with crash_client: the actor training this client in this round dies
     crash_client: int = -1
-    kill_fraction: float = 0.0  # this share of the client actors dies in each of `kill_rounds`
+    kill_fraction: float = 0.0  # this share of the client actors (at least one) dies in each of `kill_rounds`
     kill_rounds: List[int] = field(default_factory=list)
 
 
@@ -135,21 +140,68 @@ class Config:
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint
 
 
-# Plugin kinds whose registered classes may declare a `Config` dataclass section.
-_PLUGIN_SECTIONS = (registry.ALGORITHMS, registry.SELECTIONS, registry.DATASETS)
+# Plugin kinds whose registered classes may declare a `Config` dataclass section, by the
+# config key that chooses them.
+_PLUGIN_KINDS = {"algorithm": registry.ALGORITHMS, "selection": registry.SELECTIONS, "dataset": registry.DATASETS}
+
+
+def section_of(reg: registry.Registry, name: str) -> Optional[str]:
+    """The config section a registered part reads (its name, or the `config_section` it
+    shares with a sibling, as fedconcat_id reads `fedconcat.*`), or None if it has none."""
+    part = reg.get(name)
+    conf = getattr(part, "Config", None)
+    if conf is None or not dataclasses.is_dataclass(conf):
+        return None
+    return getattr(part, "config_section", None) or name
 
 
 def schema() -> DictConfig:
     """The full typed schema: the core `Config` plus one section per plugin with options."""
     base = OmegaConf.structured(Config)
     with open_dict(base):
-        for reg in _PLUGIN_SECTIONS:
+        for reg in _PLUGIN_KINDS.values():
             for name in reg.names():
-                section = getattr(reg.get(name), "Config", None)
-                if section is not None and dataclasses.is_dataclass(section):
-                    base[name] = OmegaConf.structured(section)
+                section = section_of(reg, name)
+                if section is not None and section not in base:
+                    base[section] = OmegaConf.structured(reg.get(name).Config)
     OmegaConf.set_struct(base, True)
     return base
+
+
+def plugin_sections() -> dict:
+    """{section: (choosing key, [names that read it])} for every plugin section."""
+    out: dict = {}
+    for key, reg in _PLUGIN_KINDS.items():
+        for name in reg.names():
+            section = section_of(reg, name)
+            if section is not None:
+                out.setdefault(section, (key, []))[1].append(name)
+    return out
+
+
+def used_sections(cfg) -> set:
+    """The plugin sections the chosen algorithm, selection and dataset read."""
+    return {s for key, reg in _PLUGIN_KINDS.items() if (s := section_of(reg, cfg[key])) is not None}
+
+
+def unused_sections(layers: "Layers", cfg) -> list:
+    """[(source, section, choosing key)] for each layer that sets a plugin section the run
+    does not read (e.g. `fedprox.mu` with algorithm=fedavg)."""
+    sections, used = plugin_sections(), used_sections(cfg)
+    return [(source, name, sections[name][0]) for source, data in layers for name in data
+            if name in sections and name not in used]
+
+
+def check_sections(layers: "Layers", cfg) -> None:
+    """A section set on the command line that the run does not read is an error: the user
+    would run another experiment than the one asked for. (A --config file may carry sections
+    for several algorithms, so that one file serves a comparison: `describe_layers` notes them.)"""
+    for source, name, key in unused_sections(layers, cfg):
+        if source == OVERRIDES:
+            reads = sorted(used_sections(cfg))
+            raise ConfigError(f"{name}.* is set but {key}={cfg[key]} does not read the {name} section (it is "
+                              f"read by {key}={' or '.join(plugin_sections()[name][1])}); this run reads: "
+                              f"{', '.join(reads) or 'no plugin section'}")
 
 
 def _sugar(d: dict) -> dict:
@@ -157,6 +209,23 @@ def _sugar(d: dict) -> dict:
     if isinstance(d.get("partition"), str):
         d = dict(d, partition={"name": d["partition"]})
     return d
+
+
+def find_config(path: str) -> str:
+    """A --config FILE as given, else the shipped file of that name (`configs/experiments/x.yaml`
+    or `experiments/x.yaml` finds `raysim/configs/experiments/x.yaml`), so that an installed
+    raysim runs the README's commands from any directory."""
+    if Path(path).is_file():
+        return path
+    rel = Path(path).as_posix()
+    for prefix in ("raysim/configs/", "configs/", "./configs/"):
+        if rel.startswith(prefix):
+            rel = rel[len(prefix):]
+            break
+    shipped = CONFIG_DIR / rel
+    if shipped.is_file() and not Path(path).is_absolute():
+        return str(shipped)
+    raise ConfigError(f"config file {path!r} not found (looked in {Path.cwd()} and in the shipped configs, {CONFIG_DIR})")
 
 
 def _read_yaml(path: str) -> dict:
@@ -217,18 +286,54 @@ def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
 
 
 Layers = list  # [(source name, plain dict)], lowest priority first
+OVERRIDES = "the command-line overrides"  # the source name of the key=value layer
 
 
 def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:
-    """Read default.yaml, the given files and the overrides into plain dicts, without the
-    schema: the form the CLI sends to the driver, which resolves them (`resolve`). With `resume=RUN_DIR` the run's own config.yaml is the only file (see `resume_layers`)."""
+    """Read default.yaml, the config groups of the chosen names, the given files and the
+    overrides into plain dicts, without the schema: the form the CLI sends to the driver,
+    which resolves them (`resolve`). With `resume=RUN_DIR` the run's own config.yaml is the
+    only file (see `resume_layers`)."""
     over = _parse_overrides(overrides)
     if over.get("resume") is not None:
         return resume_layers(str(over["resume"]), list(config_files), over)
-    layers = [(str(DEFAULT_YAML), _read_yaml(str(DEFAULT_YAML)))] if use_default and DEFAULT_YAML.is_file() else []
-    layers += [(f, _read_yaml(f)) for f in config_files]
-    layers.append(("the command-line overrides", over))
-    return layers
+    base = [(str(DEFAULT_YAML), _read_yaml(str(DEFAULT_YAML)))] if use_default else []
+    user = [(path, _read_yaml(path)) for path in map(find_config, config_files)] + [(OVERRIDES, over)]
+    return base + group_layers(base + user) + user
+
+
+def group_layers(layers: Layers) -> Layers:
+    """The config group files of the names the layers choose, last choice winning:
+    `dataset=cifar10` applies `configs/dataset/cifar10.yaml` (model cnn), `algorithm=scaffold`
+    applies `configs/algorithm/scaffold.yaml` (momentum 0). They sit above default.yaml and
+    below every --config file and override, so anything the user sets wins."""
+    out = []
+    for group in GROUPS:
+        choice = next((data[group] for _, data in reversed(layers) if group in data), None)
+        path = CONFIG_DIR / group / f"{choice}.yaml"
+        if not isinstance(choice, str) or "/" in choice or not path.is_file():
+            continue  # an unknown name is reported by validate; a name without a group file has its defaults
+        data = _read_yaml(str(path))
+        for other in GROUPS:
+            if other in data and data[other] != (choice if other == group else data[other]):
+                raise ConfigError(f"config group file {path} sets {other}={data[other]!r}; it may only set {group}={choice}")
+        out.append((str(path), data))
+    return out
+
+
+def describe_layers(layers: Layers, cfg) -> list[str]:
+    """Lines for the user: which files were layered, and the sections of --config files that
+    this run does not read."""
+    def short(source: str) -> str:
+        p = Path(source)
+        return str(p.relative_to(CONFIG_DIR)) if p.is_relative_to(CONFIG_DIR) else source
+
+    names = [short(s) if s != OVERRIDES else "overrides" for s, data in layers if data or s != OVERRIDES]
+    lines = [f"config: {' < '.join(names)}"]
+    for source, name, key in unused_sections(layers, cfg):
+        if source != OVERRIDES:
+            lines.append(f"note: {short(source)} sets {name}.*, which {key}={cfg[key]} does not read")
+    return lines
 
 
 # What may change when a run is resumed: how long it runs and where, not what it computes.
@@ -256,7 +361,7 @@ def resume_layers(run_dir: str, config_files: list, overrides: dict) -> Layers:
                           f"if you trust these modules, name them on the command line: plugins=[{','.join(named)}]")
     if sorted(given) != sorted(named):
         raise ConfigError(f"resume: plugins={given} differs from the run's plugins {named} ({saved})")
-    return [(str(saved), data), ("the command-line overrides", overrides)]
+    return [(str(saved), data), (OVERRIDES, overrides)]
 
 
 def _names(value) -> list[str]:
@@ -313,6 +418,7 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
     for source, data in layers:
         cfg = _merge(cfg, data, source)
     validate(cfg)
+    check_sections(layers, cfg)
     if cwd is not None:
         for key in ("data_dir", "output_dir", "resume"):
             if cfg[key] is not None:
@@ -406,7 +512,17 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
     fa = cfg.faults
     need(0 <= fa.kill_fraction <= 1, f"faults.kill_fraction must be in [0, 1], got {fa.kill_fraction}")
-    need(all(r >= 1 for r in fa.kill_rounds), f"faults.kill_rounds must be round numbers >= 1, got {list(fa.kill_rounds)}")
+    kr = list(fa.kill_rounds)
+    need(all(1 <= r <= cfg.rounds for r in kr), f"faults.kill_rounds must be round numbers in [1, rounds={cfg.rounds}], got {kr}")
+    need((fa.kill_fraction > 0) == bool(kr),
+         f"faults.kill_fraction={fa.kill_fraction} and faults.kill_rounds={kr} go together: give both "
+         "(a fraction > 0 and the rounds in which that share of the client actors dies) or neither")
+    need((fa.crash_round == -1) == (fa.crash_client == -1),
+         f"faults.crash_round={fa.crash_round} and faults.crash_client={fa.crash_client} go together: give both or neither")
+    need(fa.crash_round == -1 or 1 <= fa.crash_round <= cfg.rounds,
+         f"faults.crash_round must be in [1, rounds={cfg.rounds}], got {fa.crash_round}")
+    need(fa.crash_client == -1 or 0 <= fa.crash_client < cfg.num_clients,
+         f"faults.crash_client must be a client id in [0, num_clients={cfg.num_clients}), got {fa.crash_client}")
     r = cfg.resources
     cpa = r.clients_per_actor
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),
@@ -419,7 +535,7 @@ def validate(cfg: DictConfig) -> None:
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
     need(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1,
          f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {cfg.ray.num_cpus}")
-    for reg, key in ((registry.ALGORITHMS, "algorithm"), (registry.SELECTIONS, "selection"), (registry.DATASETS, "dataset")):
+    for key, reg in _PLUGIN_KINDS.items():
         check = getattr(reg.get(cfg[key]), "validate_config", None)
         if check is not None:
             check(cfg)

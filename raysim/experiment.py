@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from raysim.config import ConfigError, augmentation_name
+from raysim.config import ConfigError, augmentation_name, clients_per_round
 from raysim.data.datasets import FederatedData, load_dataset, num_classes
 from raysim.data.partition import Partition, make_partition
 from raysim.models import build_model
@@ -26,14 +26,50 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                           f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
     part = make_partition(data.y_train, cfg, n_classes, data.users_train)
-    try:
-        model = build_model(cfg.model, data.input_shape, n_classes)
-        with torch.no_grad():
-            model.eval()(torch.zeros(2, *data.input_shape))
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"model={cfg.model!r} does not fit dataset {cfg.dataset!r} with inputs "
-                          f"{data.input_shape}: {str(e).splitlines()[0]}") from None
+    problem = _misfit(cfg.model, data.input_shape, n_classes)
+    if problem is not None:
+        from raysim.registry import MODELS
+
+        fit = [m for m in MODELS.names() if m != cfg.model and _misfit(m, data.input_shape, n_classes) is None]
+        raise ConfigError(f"model={cfg.model!r} does not fit dataset {cfg.dataset!r} with inputs {data.input_shape} "
+                          f"({problem}); models that fit: {', '.join(fit) or 'none'}")
     return data, part, n_classes
+
+
+def _misfit(model_name: str, input_shape: tuple, n_classes: int):
+    """None if the model takes these inputs, else the first line of what went wrong."""
+    try:
+        model = build_model(model_name, input_shape, n_classes)
+        with torch.no_grad():
+            model.eval()(torch.zeros(2, *input_shape))
+    except (RuntimeError, ValueError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def describe(cfg: DictConfig, num_clients: int) -> str:
+    """The run in one paragraph: what is trained on what, and every setting that changes the
+    experiment from plain synchronous rounds (selection, system heterogeneity, faults)."""
+    p = cfg.partition
+    part = {"dirichlet": f"dirichlet beta={p.beta}", "quantity": f"quantity beta={p.beta}", "classes": f"classes k={p.k}",
+            "shards": f"shards {p.shards_per_client} per client", "power_law": f"power_law sigma={p.sigma}"}.get(p.name, p.name)
+    parts = [f"{cfg.algorithm} with {cfg.selection} selection, model {cfg.model} on {cfg.dataset} ({part}), "
+             f"{num_clients} clients, {clients_per_round(cfg)} per round, {cfg.rounds} rounds, seed {cfg.seed}"]
+    sy, fa = cfg.system, cfg.faults
+    system = []
+    if sy.dropout > 0:
+        system.append(f"dropout {sy.dropout}")
+    if sy.stragglers > 0:
+        lo, hi = sy.straggler_epochs
+        system.append(f"stragglers {sy.stragglers} ({lo}-{hi} epochs)" + (" (no effect: local.steps is set)" if cfg.local.steps else ""))
+    parts.append(f"system: {', '.join(system) or 'none'}")
+    faults = []
+    if fa.kill_fraction > 0:
+        faults.append(f"kill {fa.kill_fraction} of the client actors in rounds {list(fa.kill_rounds)}")
+    if fa.crash_round >= 1:
+        faults.append(f"crash client {fa.crash_client}'s actor in round {fa.crash_round}")
+    parts.append(f"faults: {', '.join(faults) or 'none'}")
+    return "; ".join(parts)
 
 
 def run_dir_for(cfg: DictConfig) -> Path:

@@ -101,7 +101,7 @@ def test_features_once_per_client_bytes_match_parameter_sizes_and_actor_count_do
     assert torch.equal(a["classifier"]["weight"], b["classifier"]["weight"])
     assert torch.equal(a["cluster_of"], b["cluster_of"])
     # label inference instead of label counts: a full local round per client in stage 1
-    assert main([*[c.replace("fedconcat", "fedconcat_id") for c in common], "run_name=id"]) == 0
+    assert main([*common, "algorithm=fedconcat_id", "run_name=id"]) == 0  # reads the same fedconcat.* section
     m_id = pq.read_table(tmp_path / "id" / "metrics.parquet").to_pylist()
     assert m_id[0]["bytes_up"] == 12 * model_bytes(full) + 6 * model_bytes(full)
 

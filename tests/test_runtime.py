@@ -121,14 +121,21 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
     server.finish()
 
 
-def test_a_bug_stops_the_run_and_keeps_the_rounds_that_ran(ray_local, tmp_path):
-    with pytest.raises(ValueError, match="bug in round 3"):
-        main([*BASE, "plugins=[stateful_plugin]", "algorithm=test_fails_in_round_3", "rounds=5",
-              f"output_dir={tmp_path}", "run_name=bug"])
+def test_a_bug_in_a_plugin_is_a_few_lines_and_log_txt_has_the_traceback(ray_local, tmp_path, capsys):
+    code = main([*BASE, "plugins=[stateful_plugin]", "algorithm=test_fails_in_round_3", "rounds=5",
+                 f"output_dir={tmp_path}", "run_name=bug"])
+    assert code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("raysim [")]
+    assert 2 <= len(err) <= 4 and "Traceback" not in "\n".join(err), err
+    assert err[0] == "error: ValueError: bug in round 3"
+    assert "stateful_plugin.py:" in err[1] and "in client_update" in err[1] and 'raise ValueError("bug' in err[1]
     d = tmp_path / "bug"
+    assert str(d / "log.txt") in err[-1]
     assert [r["round"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [1, 2]
     assert not (d / "summary.json").exists()
-    assert "run stopped before its last round" in (d / "log.txt").read_text()
+    log = (d / "log.txt").read_text()
+    assert "round 3 failed:" in log and "Traceback" in log and "stateful_plugin.py" in log
+    assert "run stopped before its last round" in log
 
 
 def test_fedentopt_with_fedprox_dropout_and_stragglers(ray_local, tmp_path):

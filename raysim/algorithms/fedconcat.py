@@ -148,28 +148,29 @@ def inferred_distribution(model: nn.Module, probe: torch.Tensor) -> np.ndarray:
 @ALGORITHMS.register("fedconcat")
 class FedConcat(Algorithm):
     Config = FedConcatConfig
+    config_section = "fedconcat"  # fedconcat_id reads the same options
     client_state = True  # the cached features
     infer_labels = False  # FedConcat-ID: True
 
     @staticmethod
     def validate_config(cfg) -> None:
-        c = cfg[cfg.algorithm]
+        c = cfg.fedconcat
         if not 1 <= c.clusters <= cfg.num_clients:
-            raise ConfigError(f"{cfg.algorithm}.clusters must be in [1, num_clients={cfg.num_clients}], got {c.clusters}")
+            raise ConfigError(f"fedconcat.clusters must be in [1, num_clients={cfg.num_clients}], got {c.clusters}")
         if not 1 <= c.encoder_rounds < cfg.rounds:
-            raise ConfigError(f"{cfg.algorithm}.encoder_rounds must be in [1, rounds={cfg.rounds}) (the rest of "
+            raise ConfigError(f"fedconcat.encoder_rounds must be in [1, rounds={cfg.rounds}) (the rest of "
                               f"the rounds train the classifier), got {c.encoder_rounds}")
         if c.classifier_steps < 1 or c.probe_samples < 1:
-            raise ConfigError(f"{cfg.algorithm}.classifier_steps and .probe_samples must be >= 1")
+            raise ConfigError(f"fedconcat.classifier_steps and .probe_samples must be >= 1")
         if c.classifier_weighting not in ("uniform", "samples"):
-            raise ConfigError(f"{cfg.algorithm}.classifier_weighting must be uniform or samples, got {c.classifier_weighting!r}")
+            raise ConfigError(f"fedconcat.classifier_weighting must be uniform or samples, got {c.classifier_weighting!r}")
         for key, allowed in (("rebalance", ("constrained", "farthest")), ("init_classifier", ("sum", "mean"))):
             if c[key] is not False and c[key] not in allowed:
-                raise ConfigError(f"{cfg.algorithm}.{key} must be false, {' or '.join(allowed)}, got {c[key]!r}")
+                raise ConfigError(f"fedconcat.{key} must be false, {' or '.join(allowed)}, got {c[key]!r}")
 
     @property
     def opts(self):
-        return self.cfg[self.cfg.algorithm]
+        return self.cfg.fedconcat
 
     # ------------------------------------------------------------------ server
     def setup(self, server: Server) -> None:

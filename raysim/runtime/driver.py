@@ -6,7 +6,12 @@ dicts), which the driver resolves again in its own process.
 """
 from __future__ import annotations
 
+import traceback
+
 import ray
+
+from raysim.config import ConfigError
+from raysim.errors import RunDiverged
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -26,7 +31,13 @@ class ServerDriver:
         return self.server.open_run()
 
     def step(self, rnd: int) -> dict:
-        return self.server.step(rnd)
+        try:
+            return self.server.step(rnd)
+        except (ConfigError, RunDiverged):  # one line each, logged by the server
+            raise
+        except Exception:  # the whole story (a client actor's traceback inside ours) goes to log.txt
+            self.server.log_failure(rnd, traceback.format_exc())
+            raise
 
     def finish(self) -> dict:
         return self.server.finish()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -31,7 +32,7 @@ from raysim.algorithm import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record, to_yaml
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
-from raysim.experiment import prepare, run_dir_for
+from raysim.experiment import describe, prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
@@ -78,7 +79,8 @@ class FederatedServer:
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         self.num_clients = int(self.cfg.num_clients)
-        n_slow = int(round(float(self.cfg.system.stragglers) * self.num_clients))
+        share = float(self.cfg.system.stragglers)  # a share > 0 makes at least one straggler
+        n_slow = max(1, int(round(share * self.num_clients))) if share > 0 else 0
         self.stragglers = set(np.random.default_rng([int(self.cfg.seed), 4]).choice(
             self.num_clients, n_slow, replace=False).tolist())
         self.num_classes = num_classes
@@ -123,9 +125,8 @@ class FederatedServer:
             self.writer.log(f"checkpoint of round {ckpt['round']} loaded (weights only)")
             self.ckpt = None
         return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(run_dir),
-                "banner": f"{self.cfg.algorithm} on {self.cfg.dataset} ({self.cfg.partition.name}), "
-                          f"{self.num_clients} clients, {clients_per_round(self.cfg)} per round, "
-                          f"{self.cfg.rounds} rounds, {self.n_actors} client actors ({self.actor_needs} each)"}
+                "banner": f"{describe(self.cfg, self.num_clients)}; "
+                          f"{self.n_actors} client actors ({self.actor_needs} each)"}
 
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:
@@ -165,6 +166,9 @@ class FederatedServer:
         self._await_restarts()
         if method == "client_update" and rnd in self.cfg.faults.kill_rounds and self._killed_in != rnd:
             self._kill_actors(rnd)
+        if method == "client_update" and rnd == self.cfg.faults.crash_round and self.cfg.faults.crash_client not in cids:
+            self.writer.log(f"round {rnd}: faults.crash_client={self.cfg.faults.crash_client} is not training "
+                            "this round (not selected, or dropped out), so no actor crashes")
         for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
             states = [self._states.get(c) for c in chunk] if stateful else []
             n_groups = -(-len(chunk) // group)
@@ -180,10 +184,11 @@ class FederatedServer:
 
     def _kill_actors(self, rnd: int) -> None:
         """Fault injection: `faults.kill_fraction` of the client actors, drawn from (seed,
-        round), exit their processes now; their clients this round are recorded as dropped
-        and Ray restarts them for the next round."""
+        round), exit their processes now (at least one: a fraction that rounds to zero
+        actors still kills one); their clients this round are recorded as dropped and Ray
+        restarts them for the next round."""
         self._killed_in = rnd
-        n = int(round(float(self.cfg.faults.kill_fraction) * self.n_actors))
+        n = max(1, int(round(float(self.cfg.faults.kill_fraction) * self.n_actors)))
         victims = sorted(self.rng(rnd, 5).choice(self.n_actors, n, replace=False).tolist())
         for a in victims:
             self.actors[a].die.remote()  # runs before any task sent after it; those then fail
@@ -370,6 +375,7 @@ class FederatedServer:
                             self.first_round_seconds or 0.0)
         summary["run_dir"] = str(self.writer.dir)
         summary["status"] = "finished"
+        self._await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
         for info in self.actor_info():
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
@@ -382,6 +388,12 @@ class FederatedServer:
         if hasattr(self, "writer") and not self.writer.log_file.closed:
             self.writer.flush_tables()
             self.writer.log("run stopped before its last round")
+
+    def log_failure(self, rnd: int, text: str) -> None:
+        """An exception stopped round `rnd`: its full traceback goes into log.txt."""
+        if hasattr(self, "writer") and not self.writer.log_file.closed:
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", text.rstrip())  # Ray colours its actor names
+            self.writer.log(f"round {rnd} failed:\n{plain}")
 
     def actor_info(self) -> list[dict]:
         return ray.get([a.device_info.remote() for a in self.actors])

@@ -1,0 +1,272 @@
+"""Starting Ray and driving one run from the caller's process (the CLI or `raysim.simulate`).
+
+`check` reads and validates the config before Ray starts (a typo costs a second or two);
+`start_ray` starts a local Ray (on loopback only) or joins `ray.address`; `launch` starts
+the driver actor, waits (bounded) for the client actors to be placed, steps the rounds and
+returns the summary. Failures come back as exceptions whose message is a few lines:
+`ConfigError` (bad input, nothing written), `RunDiverged`, `RunFailed` (an exception in
+an algorithm's or a plugin's code; the full traceback is in the run's log.txt),
+`DriverDied` and `Interrupted` (both say how to resume).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+from typing import Callable, Optional
+
+from raysim.config import ConfigError, describe_layers, read_layers, resolve
+
+Say = Callable[[str], None]
+
+
+def say_on_stderr(t_start: float) -> Say:
+    """Progress lines on stderr, stamped with the seconds since `t_start`."""
+    def say(line: str) -> None:
+        print(f"raysim [{time.time() - t_start:5.1f} s] {line}", file=sys.stderr, flush=True)
+    return say
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+class DriverDied(Exception):
+    """The driver actor's process died mid-run (killed, out of memory)."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: the rounds that ran are kept; the message says how to resume."""
+
+
+class RunFailed(Exception):
+    """An exception raised by an algorithm's, selection's or plugin's code during a round.
+    The message is a few lines: the exception, where it was raised; log.txt has the rest."""
+
+
+def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
+    """Read and resolve the config and check everything that needs no data (names, keys,
+    values, the run directory, a resumed run's checkpoint): before Ray starts."""
+    layers = read_layers(config_files, overrides)
+    cfg = resolve(layers, os.getcwd())
+    if cfg.resume:
+        from raysim.runtime.checkpoint import load_checked
+
+        load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
+    else:
+        from raysim.experiment import run_dir_for
+
+        run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
+    for line in describe_layers(layers, cfg):
+        say(line)
+    return layers, cfg
+
+
+def start_ray(ray_cfg, say: Say = quiet) -> bool:
+    """Connect to `ray.address`, or start a local Ray (and `raysim.reaper`, which stops it if
+    this process is killed outright). Returns True if we started it."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            return False
+    if ray_cfg.address:
+        say(f"joining the Ray cluster at {ray_cfg.address}")
+        import ray
+
+        check_reachable(ray_cfg.address)
+        try:
+            ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {first_line(e)}") from None
+        return False
+    say("starting a local Ray" + (f" with {ray_cfg.num_cpus} CPUs" if ray_cfg.num_cpus else ""))
+    with loopback_only():
+        import ray
+
+        try:
+            ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
+                           logging_level=logging.ERROR, log_to_driver=False)
+        except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
+            raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
+                              "logs are in its temp folder's session_latest/logs; a time-out here means the "
+                              "machine was too loaded: retry") from None
+    import subprocess
+
+    subprocess.Popen([sys.executable, "-m", "raysim.reaper", str(os.getpid())], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if ray_cfg.dashboard:
+        say(f"Ray's dashboard: http://{ctx.dashboard_url} (it asks for a token only when Ray runs with "
+            "RAY_AUTH_MODE=token: see README, Security)")
+    return True
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Ray binds its servers to the node's IP address, and to loopback only when that address
+    is 127.0.0.1. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (Ray's laptop setting, read when ray
+    is first imported) makes a single-machine Ray take 127.0.0.1. Set only while the local
+    Ray starts: a multi-node `ray start` later in this process's children would refuse it."""
+    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    ours = key not in os.environ and "ray" not in sys.modules
+    if ours:
+        os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if ours:
+            os.environ.pop(key, None)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail within `timeout` seconds when nothing listens at a host:port `ray.address`
+    (Ray itself retries for minutes). 'auto' is left to Ray, which answers at once."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in hostport:
+        return
+    host, port = hostport.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ray.address={address!r}: nothing answers at {host}:{port} ({type(e).__name__}: "
+                          f"{first_line(e) or 'timed out'}); check the address and port (the head node's "
+                          "`ray status`), that the head node runs, and that firewalls / security groups "
+                          "let this machine in") from None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def launch(layers: list, t_start: float, progress: bool = True, say: Say = quiet) -> dict:
+    """Start the driver actor on this node (it writes the run directory here), wait for the
+    client actors, run every round, return the summary."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raysim.runtime.driver import ServerDriver
+
+    here = ray.get_runtime_context().get_node_id()
+    say("starting the server: it loads and partitions the data while the client actors start")
+    driver = ServerDriver.options(
+        name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    ).remote(t_start)
+    bar = None
+    run_dir = None
+    try:
+        info = ray.get(driver.setup.remote(layers, os.getcwd()))
+        say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
+        wait_for_actors(driver, info, say)
+        info = ray.get(driver.open_run.remote())
+        run_dir = info["run_dir"]
+        say(info["banner"])
+        say(f"run directory: {run_dir}")
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
+            bar.update(info["start_round"] - 1)
+        for rnd in range(info["start_round"], info["rounds"] + 1):
+            row = ray.get(driver.step.remote(rnd))
+            if bar is not None:
+                if row.get("accuracy") is not None:
+                    bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
+                bar.update(1)
+        return ray.get(driver.finish.remote())
+    except ray.exceptions.ActorDiedError as e:
+        if run_dir is None:
+            raise
+        raise DriverDied(f"the server process died in the run's middle ({first_line(e)[:120]}); "
+                         f"`python -m raysim.run resume={run_dir}` continues it from its last checkpoint") from None
+    except ray.exceptions.RayTaskError as e:
+        flush(driver)
+        known = e.cause if isinstance(e.cause, Exception) and _is_ours(e.cause) else None
+        if known is not None:
+            raise known from None  # ConfigError, RunDiverged: their message is the whole story
+        raise RunFailed(failure_message(e, run_dir)) from None
+    except KeyboardInterrupt:
+        flush(driver)
+        where = (f"the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues from "
+                 "its last checkpoint (checkpoint_every)") if run_dir else "before the first round: nothing was written"
+        raise Interrupted(f"interrupted {where}") from None
+    except BaseException:
+        flush(driver)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        ray.kill(driver)
+
+
+def _is_ours(e: BaseException) -> bool:
+    from raysim.errors import RunDiverged
+
+    return isinstance(e, (ConfigError, RunDiverged))
+
+
+def flush(driver) -> None:
+    """Keep the metrics of the rounds that ran (a crash or Ctrl-C)."""
+    import ray
+
+    try:
+        ray.get(driver.flush.remote(), timeout=30)
+    except Exception:
+        pass
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]+(\S[^\n]*)')
+
+
+def failure_message(e, run_dir: Optional[str]) -> str:
+    """A few lines for an exception raised in a round: the innermost exception (a client
+    actor's inside the driver's), and the last frame of it outside installed libraries
+    (the plugin's or algorithm's own line)."""
+    from ray.exceptions import RayTaskError
+
+    inner = e
+    while isinstance(getattr(inner, "cause", None), RayTaskError):
+        inner = inner.cause
+    cause = getattr(inner, "cause", None) or inner
+    text = getattr(inner, "traceback_str", "") or str(inner)
+    frames = _FRAME.findall(text)
+    own = [f for f in frames if "site-packages" not in f[0] or "site-packages/raysim/" in f[0]]
+    own = [f for f in own if "/ray/" not in f[0]] or own or frames
+    lines = [f"{type(cause).__name__}: {first_line(cause)}"]
+    if own:
+        path, line, func, code = own[-1]
+        lines.append(f"  at {path}:{line}, in {func}: {code.strip()}")
+    lines.append(f"  the full traceback is in {run_dir}/log.txt" if run_dir else
+                 "  (raised before the run directory was opened)")
+    return "\n".join(lines)
+
+
+def wait_for_actors(driver, info: dict, say: Say = quiet) -> None:
+    """Wait until every client actor is placed and started, saying what it waits for every
+    10 s; after `resources.placement_timeout` seconds stop with one line (nothing is written
+    before this: the driver opens the run directory after)."""
+    import ray
+
+    n, limit = info["actors"], info["placement_timeout"]
+    t0 = time.time()
+    said = t0
+    while True:
+        placed = ray.get(driver.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
+        if placed == n:
+            return
+        waited = time.time() - t0
+        free = ray.available_resources()
+        have = f"{free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs free in the cluster"
+        if waited >= limit:
+            raise ConfigError(f"resources: {n - placed} of {n} client actors ({info['needs']} each) were not placed "
+                              f"within resources.placement_timeout={limit:g} s ({have}); add nodes, lower "
+                              "resources.num_cpus_per_actor / num_gpus_per_actor, or use fewer actors")
+        if time.time() - said >= 10:
+            said = time.time()
+            print(f"raysim: waiting for {n - placed} of {n} client actors ({info['needs']} each; {have}): "
+                  f"{waited:.0f} s of resources.placement_timeout={limit:g} s", file=sys.stderr)

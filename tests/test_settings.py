@@ -1,0 +1,188 @@
+"""Every setting does what it says (issue 17): through the real CLI or the Python API."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+import raysim
+from raysim import registry
+from raysim.config import ConfigError
+from raysim.run import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(args, cwd, **kw):
+    return subprocess.run([sys.executable, "-m", "raysim.run", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120, **kw)
+
+
+# ---------------------------------------------------------------- names alone run (4b)
+NAMES = [("algorithm", n) for n in registry.ALGORITHMS.names()] + \
+        [("selection", n) for n in registry.SELECTIONS.names() if n != "random"]
+
+
+@pytest.mark.parametrize("key,name", NAMES)
+def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_path, key, name):
+    """`algorithm=X` alone is a valid experiment: its config group sets what it needs
+    (FedConcat's encoder rounds below `rounds`, SCAFFOLD's plain SGD), every check that needs
+    no data passes, and so do the data checks. Then it trains: the same config, cut to 3
+    rounds to keep the suite short (FedConcat: 2 of them encoder rounds)."""
+    from raysim.experiment import prepare
+    from raysim.launch import check
+
+    _, cfg = check([], [f"{key}={name}", f"output_dir={tmp_path}"])
+    prepare(cfg)
+    short = ["rounds=3"] + (["fedconcat.encoder_rounds=2"] if name.startswith("fedconcat") else [])
+    assert main([f"{key}={name}", *short, f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["rounds"] == 3 and s["status"] == "finished"
+    if not name.startswith("fedconcat"):  # its 1 classifier round of 3 steps is not meant to learn yet
+        assert s["final_accuracy"] > 0.2, s  # 10 classes: chance is 0.1
+
+
+# ---------------------------------------------------------------- config groups (3) and sections (2)
+def test_choosing_a_dataset_or_algorithm_applies_its_config_group_and_says_so(tmp_path):
+    r = cli(["--print-config", "dataset=cifar10"], tmp_path)
+    assert r.returncode == 0 and "\nmodel: cnn\n" in r.stdout
+    assert "config: default.yaml < dataset/cifar10.yaml < algorithm/fedavg.yaml" in r.stderr, r.stderr
+    r = cli(["--print-config", "dataset=cifar10", "model=mlp", "algorithm=scaffold"], tmp_path)
+    assert "\nmodel: mlp\n" in r.stdout  # what the user sets wins over the group
+    assert "  momentum: 0.0\n" in r.stdout and "algorithm/scaffold.yaml" in r.stderr
+
+
+def test_a_section_the_run_does_not_read_is_refused_and_fedconcat_id_reads_fedconcat(tmp_path):
+    r = cli(["algorithm=fedavg", "fedprox.mu=1"], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "fedprox.* is set but algorithm=fedavg does not read the fedprox section" in r.stderr
+    r = cli(["--print-config", "algorithm=fedconcat_id", "fedconcat.encoder_rounds=7"], tmp_path)
+    assert r.returncode == 0 and "  encoder_rounds: 7\n" in r.stdout and "fedconcat_id:" not in r.stdout
+    # a --config file may carry several algorithms' sections (one file, a comparison): noted, not refused
+    r = cli(["--print-config", "--config", "configs/experiments/fedconcat_table1_c2.yaml", "algorithm=fedavg"], tmp_path)
+    assert r.returncode == 0 and "experiments/fedconcat_table1_c2.yaml sets fedconcat.*, which algorithm=fedavg " \
+                                  "does not read" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- an installed raysim (4)
+def test_an_installed_wheel_carries_the_configs_and_finds_them_from_any_directory(tmp_path):
+    """`pip install .` (no -e): the wheel holds default.yaml, the groups and the experiments,
+    and a --config named as in the README resolves from the package."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(REPO)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("raysim-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in ("raysim/configs/default.yaml", "raysim/configs/dataset/cifar10.yaml",
+              "raysim/configs/algorithm/fedconcat.yaml", "raysim/configs/experiments/niid_bench_mnist_c2.yaml"):
+        assert f in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = cli(["--print-config", "--config", "configs/experiments/niid_bench_mnist_c2.yaml"], elsewhere, env=env)
+    assert r.returncode == 0, r.stderr
+    where = subprocess.run([sys.executable, "-c", "import raysim.config as c; print(c.CONFIG_DIR)"], env=env,
+                           cwd=elsewhere, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(site / "raysim" / "configs")  # the installed copy, not the clone
+    assert "  epochs: 10\n" in r.stdout and "\nmodel: cnn\n" in r.stdout
+    r = cli(["--print-config"], elsewhere, env=env)
+    assert "  epochs: 2\n" in r.stdout and "  batch_size: 32\n" in r.stdout  # default.yaml's, not the dataclass's
+
+
+# ---------------------------------------------------------------- faults, banner (1, 5)
+def test_a_kill_fraction_that_rounds_to_zero_still_kills_one_actor(ray_local, tmp_path, capfd):
+    assert main(["faults.kill_fraction=0.25", "faults.kill_rounds=[2]", "rounds=3", "resources.num_actors=2",
+                 f"output_dir={tmp_path}", "run_name=k", "--quiet"]) == 0  # 0.25 x 2 actors rounds to 0
+    log = (tmp_path / "k" / "log.txt").read_text()
+    killed = [line for line in log.splitlines() if "fault injection kills client actors" in line]
+    assert len(killed) == 1 and not killed[0].endswith("[]"), killed
+    rows = pq.read_table(tmp_path / "k" / "clients.parquet").to_pylist()
+    assert any(r["round"] == 2 and r["reason"] == "actor_died" for r in rows)
+    assert main(["faults.kill_fraction=0.25", "rounds=3", f"output_dir={tmp_path}", "run_name=k2", "--quiet"]) == 2
+    assert "faults.kill_fraction=0.25 and faults.kill_rounds=[] go together" in capfd.readouterr().err
+    assert not (tmp_path / "k2").exists()
+
+
+def test_the_banner_names_selection_system_heterogeneity_and_faults(ray_local, tmp_path, capfd):
+    assert main(["selection=fedentopt", "system.dropout=0.2", "system.stragglers=0.5", "faults.kill_fraction=0.5",
+                 "faults.kill_rounds=[2]", "rounds=2", f"output_dir={tmp_path}", "run_name=b"]) == 0
+    err = capfd.readouterr().err
+    banner = next(line for line in err.splitlines() if "with fedentopt selection" in line)
+    assert "system: dropout 0.2, stragglers 0.5 (1-5 epochs)" in banner
+    assert "faults: kill 0.5 of the client actors in rounds [2]" in banner
+    for step in ("config: default.yaml", "starting the server", "data ready; waiting for", "run directory: "):
+        assert step in err, step  # start-up progress (Ray was already up in this test session)
+
+
+# ---------------------------------------------------------------- the Python API (12)
+def test_simulate_returns_the_summary_and_metrics_as_dataframes(ray_local, tmp_path):
+    res = raysim.simulate(rounds=3, num_clients=8, output_dir=str(tmp_path), run_name="api", progress=False,
+                          overrides={"local.epochs": 1, "partition.beta": 0.3})
+    assert res.run_dir == tmp_path / "api" and res.summary["rounds"] == 3
+    m = res.metrics
+    assert list(m["round"]) == [1, 2, 3] and m["accuracy"].iloc[-1] == res.summary["final_accuracy"]
+    assert set(res.clients["round"]) == {1, 2, 3} and res.config.partition.beta == 0.3
+    assert raysim.load(res.run_dir).summary == res.summary
+    with pytest.raises(ConfigError, match="partition.beta must be > 0"):
+        raysim.simulate(overrides=["partition.beta=0"], output_dir=str(tmp_path), progress=False)
+    with pytest.raises(ConfigError, match="fedprox.\\* is set but algorithm=fedavg"):
+        raysim.simulate(overrides={"fedprox.mu": 0.1}, output_dir=str(tmp_path), progress=False)
+
+
+# ---------------------------------------------------------------- --list, a misfit model (11)
+def test_list_shows_a_plugins_parts_and_a_misfit_model_names_those_that_fit(tmp_path):
+    r = cli(["--list", "plugins=[stateful_plugin]"], tmp_path)
+    assert r.returncode == 0 and "test_state_counter (from stateful_plugin)" in r.stdout, r.stdout
+    r = cli(["--show-partition", "model=cnn", "--quiet"], tmp_path)  # digits are 8x8 greyscale
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model='cnn' does not fit dataset 'digits'" in r.stderr
+    fit = r.stderr.split("models that fit: ")[1].strip().split(", ")
+    assert "mclr" in fit and "mlp" in fit and "cnn" not in fit
+
+
+# ---------------------------------------------------------------- stopping (9, 11)
+def _ray_tree(pid: int) -> list:
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
+def test_stopping_says_how_to_resume_and_leaves_no_ray_processes(tmp_path, how):
+    """Ctrl-C and SIGTERM: exit 130, the run directory and the resume= command on stderr.
+    All three (SIGKILL through raysim.reaper): every process of the local Ray the CLI started,
+    agents and dashboard included, gone. The dashboard's address is printed when it is on."""
+    args = ["rounds=400", "checkpoint_every=2", "ray.num_cpus=2", f"output_dir={tmp_path}", "run_name=stop"]
+    if how == signal.SIGTERM:
+        args.append("ray.dashboard=true")
+    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    err = []
+    for line in p.stderr:  # wait for the first rounds
+        err.append(line)
+        if "run directory:" in line:
+            break
+    time.sleep(4)
+    tree = _ray_tree(p.pid)
+    assert any("raylet" in " ".join(c.cmdline()) for c in tree if c.is_running())
+    os.kill(p.pid, how)
+    rest = p.stderr.read()
+    if how == signal.SIGKILL:
+        assert p.wait(timeout=60) == -signal.SIGKILL
+    else:
+        assert p.wait(timeout=60) == 130, rest
+        assert f"resume={tmp_path / 'stop'}" in rest and "Traceback" not in rest and "SIGABRT" not in rest, rest
+    if how == signal.SIGTERM:
+        assert any("dashboard: http://127.0.0.1:" in line for line in err), err
+    deadline = time.time() + 20
+    while time.time() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in tree):
+        time.sleep(0.5)
+    left = [" ".join(c.cmdline())[:80] for c in tree if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+    assert (tmp_path / "stop" / "checkpoint.pt").exists()
