@@ -12,13 +12,11 @@ CASES = [
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
     (["participation=0"], "participation must be in (0, 1], got 0"),
     (["partition.beta=0"], "partition.beta must be > 0"),
-    (["partition=classes", "partition.k=11"], "partition.k=11 is more than the dataset's 10 classes"),
-    (["num_clients=5000"], "num_clients=5000 is more than the 1437 training samples"),
+
     (["no_such_key=1"], "unknown config key 'no_such_key'"),
     (["local.lrr=0.1"], "unknown config key 'local.lrr'"),
     (["rounds=many"], "bad value for config key 'rounds'"),
     (["model=cnn"], "model='cnn' does not fit dataset 'digits'"),
-    (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
     (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
     (["local.lr=inf"], "local.lr=inf is not a finite number"),
     (["run_name=../../x"], "run_name='../../x' must be a plain folder name inside output_dir"),
@@ -28,6 +26,17 @@ CASES = [
     (["resources.num_gpus_per_actor=0.5"], "client actors need 1 CPU + 0.5 GPU each, but this machine's Ray can hold 0"),
     (["resources.clients_per_actor=1", "resources.num_cpus_per_actor=1", "num_clients=4", "ray.num_cpus=2"],
      "4 client actors need 1 CPU each, but this machine's Ray can hold 2"),
+]
+
+
+# Checks on the data: a run makes them in its server once Ray is up (the CASES above that
+# need data go that way); --show-partition makes the same ones (experiment.prepare) in the
+# CLI's own process, which tests them here without a Ray start each.
+DATA_CASES = [
+    (["partition=classes", "partition.k=11"], "partition.k=11 is more than the dataset's 10 classes"),
+    (["num_clients=5000"], "num_clients=5000 is more than the 1437 training samples"),
+    (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
+    (["model=resnet8", "dataset=synthetic", "partition=natural"], "model='resnet8' does not fit dataset 'synthetic'"),
 ]
 
 
@@ -44,6 +53,13 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("args,message", DATA_CASES, ids=[" ".join(a) for a, _ in DATA_CASES])
+def test_bad_data_settings_give_one_clear_line(tmp_path, args, message):
+    r = cli(["--show-partition", "--quiet", *args], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr, r.stderr
 
 
 def test_checks_that_need_no_data_answer_before_ray_starts(tmp_path):
@@ -67,7 +83,7 @@ def test_an_address_where_nothing_listens_fails_at_once(tmp_path):
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = cli([f"ray.address=127.0.0.1:{port}", f"output_dir={tmp_path / 'runs'}"], tmp_path)
+    r = cli([f"ray.address=127.0.0.1:{port}", f"output_dir={tmp_path / 'runs'}", "--quiet"], tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"ray.address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port}" in r.stderr
     assert not (tmp_path / "runs").exists()

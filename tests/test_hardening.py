@@ -23,7 +23,7 @@ def cli(args, cwd, env=None, timeout=180):
 
 
 def one_error_line(r) -> str:
-    lines = r.stderr.strip().splitlines()
+    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("raysim [")]  # progress
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     return lines[0]
 

@@ -8,7 +8,7 @@ that maximises the Shannon entropy of the summed counts. The KL baseline greedil
 minimises the KL divergence of the summed label distribution to uniform, with no buffer
 and no random start; since KL(p || uniform) = log C - H(p), it is the same greedy step.
 
-Choices the paper leaves open (see ../shared/ALGORITHMS.md): ties go to the lowest client
+Choices the paper leaves open (docs/algorithms.md): ties go to the lowest client
 id; when fewer than K candidates remain, all of them are taken and the rest are the
 buffer's oldest entries; a client picked again moves to the buffer's newest end.
 """

@@ -1,0 +1,91 @@
+"""Where the seconds before round 1 go: `python -m raysim.run` from the command to the end
+of round 1, phase by phase, next to a plain torch loop's start on the same work.
+
+    python benchmarks/startup.py               # the default run and the mclr workload, 3 times each
+    python benchmarks/startup.py --repeats 5 --workloads default
+
+Each run is a fresh process. The CLI stamps every start-up line with the seconds since the
+process started; the phases are the gaps between them:
+  imports + config   process start -> the "config:" line (Python, torch, the registry, checks)
+  Ray start          -> "starting the server" (ray.init of a local Ray)
+  server + data      -> "data ready" (the driver actor starts and imports torch; it loads and
+                        partitions the data while the client actors start)
+  client actors      -> "run directory" (the client actors are placed and have imported torch)
+  round 1            -> summary.json's seconds_to_end_of_round_1
+A plain loop (this file with --plain) pays only its imports and data before its round 1.
+Medians over the repeats; the machine should be idle.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYNTH = ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.test_fraction=0.2", "partition=natural",
+         "model=mclr", "num_clients=100", "clients_per_round=20", "local.epochs=1", "local.batch_size=10",
+         "local.lr=0.01", "local.momentum=0", "rounds=2"]
+WORKLOADS = {"default": ["rounds=2"], "mclr": SYNTH}
+MARKS = [("imports + config", "config:"), ("Ray start", "starting the server"), ("server + data", "data ready"),
+         ("client actors", "run directory")]
+STAMP = re.compile(r"raysim \[\s*([\d.]+) s\] (.*)")
+
+
+def one_run(args: list[str], out: str, name: str) -> dict:
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={out}", f"run_name={name}"],
+                       capture_output=True, text=True, check=True)
+    stamps = [(float(m.group(1)), m.group(2)) for m in map(STAMP.match, r.stderr.splitlines()) if m]
+    at = {}
+    for label, prefix in MARKS:
+        at[label] = next(t for t, line in stamps if line.startswith(prefix))
+    summary = json.loads((Path(out) / name / "summary.json").read_text())
+    at["round 1"] = summary["seconds_to_end_of_round_1"]
+    phases, before = {}, 0.0
+    for label in [m for m, _ in MARKS] + ["round 1"]:
+        phases[label] = at[label] - before
+        before = at[label]
+    phases["end of round 1"] = at["round 1"]
+    phases["command wall"] = time.time() - t0
+    return phases
+
+
+def plain_start(args: list[str]) -> float:
+    """Seconds from a fresh process's start to the end of its round 1, a plain loop."""
+    code = ("import time, psutil; t0 = psutil.Process().create_time(); import torch; "
+            "from raysim.config import load_config; from raysim.experiment import prepare; "
+            "from raysim.models import build_model; from raysim.training import local_sgd; "
+            f"cfg = load_config(overrides={args!r}); data, part, n = prepare(cfg); "
+            "torch.set_num_threads(1); torch.manual_seed(0); "
+            "print(time.time() - t0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    print(f"python {sys.version.split()[0]}, {__import__('os').cpu_count()} CPUs; medians of {a.repeats} fresh "
+          "processes; seconds")
+    with tempfile.TemporaryDirectory() as out:
+        for w in a.workloads:
+            runs = [one_run(WORKLOADS[w], out, f"{w}-{i}") for i in range(a.repeats)]
+            plain = statistics.median(plain_start(WORKLOADS[w]) for _ in range(a.repeats))
+            print(f"\n{w}: {' '.join(WORKLOADS[w])}")
+            for label in runs[0]:
+                vals = [r[label] for r in runs]
+                print(f"  {label:<18} {statistics.median(vals):6.2f}   ({', '.join(f'{v:.2f}' for v in vals)})")
+            print(f"  {'plain: imports + data':<18} {plain:6.2f}   (a process that imports torch and raysim's "
+                  "data code and loads the same data, no training)")
+
+
+if __name__ == "__main__":
+    main()
