@@ -301,7 +301,8 @@ def test_fedrs_and_fedlc_train_with_their_losses():
     g = torch.Generator().manual_seed(0)
     x_data = torch.randn(30, 4, generator=g)
     y_data = torch.randint(0, 2, (30,), generator=g)
-    cfg = load_config(overrides=["local.epochs=3", "local.batch_size=10", "fedrs.alpha=0.1", "fedlc.tau=1.0"])
+    cfg = load_config(overrides=["local.epochs=3", "local.batch_size=10"])
+    cfg.fedrs.alpha, cfg.fedlc.tau = 0.1, 1.0  # one config for three algorithms' client halves
     from raysim.algorithms.fedlc import FedLC
 
     def moved(algo_cls):

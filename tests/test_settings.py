@@ -45,9 +45,8 @@ def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_pa
     assert main([f"{key}={name}", *short, f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["rounds"] == 3 and s["status"] == "finished"
-    m = pq.read_table(tmp_path / "r" / "metrics.parquet").to_pylist()
-    if not name.startswith("fedconcat"):  # its stages train different models: losses do not compare
-        assert m[-1]["train_loss"] < m[0]["train_loss"], [r["train_loss"] for r in m]  # it learns
+    if not name.startswith("fedconcat"):  # its 1 classifier round of 3 steps is not meant to learn yet
+        assert s["final_accuracy"] > 0.13, s  # above chance (0.1); runs are deterministic, so not flaky
 
 
 # ---------------------------------------------------------------- config groups (3) and sections (2)
