@@ -1,6 +1,7 @@
 """Checkpoints and resume: the CLI process killed mid-run (SIGKILL, taking its own local
 Ray with it), then `resume=<run dir>` ends with the same model, metrics and client states
 as an uninterrupted run."""
+import pytest
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def _running(procs: list, timeout: float) -> list:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_killed_driver_resumes_to_the_same_final_model(ray_local, tmp_path):
     # the run to be killed: its own process with its own local Ray, as a user would start it
     killed = tmp_path / "killed"

@@ -92,6 +92,7 @@ def _value(text: str, name: str, run: str) -> float | None:
     return max(values) if values else None
 
 
+@pytest.mark.slow
 def test_two_node_run_spreads_actors_matches_one_node_and_exports_metrics(ray_local, two_nodes, tmp_path):
     cmd = [sys.executable, "-m", "raysim.run", *RUN, f"ray.address={two_nodes['address']}",
            f"output_dir={tmp_path}", "run_name=cluster"]

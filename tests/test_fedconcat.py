@@ -1,5 +1,6 @@
 """FedConcat / FedConcat-ID: clustering, label inference, the concatenated model, features
 cached once per client, and byte counts that match the parameter sizes."""
+import pytest
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -106,6 +107,7 @@ def test_features_once_per_client_bytes_match_parameter_sizes_and_actor_count_do
     assert m_id[0]["bytes_up"] == 12 * model_bytes(full) + 6 * model_bytes(full)
 
 
+@pytest.mark.slow
 def test_fedconcat_resumes_in_the_classifier_stage_to_the_same_model(ray_local, tmp_path):
     common = ["algorithm=fedconcat", "dataset=digits", "model=mlp", "partition=classes", "partition.k=2",
               "num_clients=10", "participation=0.5", "fedconcat.encoder_rounds=2", "fedconcat.clusters=2",

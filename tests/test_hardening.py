@@ -1,6 +1,7 @@
 """Hardening, through the real CLI: a run directory carries no code, a resumed run is the
 run its checkpoint was made with, a local Ray listens on loopback only, and a dead driver
 or an unplaceable actor ends with one line instead of a traceback or a hang."""
+import pytest
 import os
 import shutil
 import signal
@@ -82,6 +83,7 @@ def _cmd(p: psutil.Process) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(tmp_path):
     """One local run from a folder holding its own `algorithms/` package: its Ray listens on
     loopback only; one actor per client fits 2 CPUs (fractional shares); killing the driver

@@ -178,6 +178,7 @@ def test_fedentopt_picks_more_balanced_cohorts_than_random(ray_local, tmp_path):
     assert ent > rnd
 
 
+@pytest.mark.slow
 def test_augmented_training_on_colour_images(ray_local, tmp_path):
     import pickle
 
