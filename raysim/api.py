@@ -78,14 +78,19 @@ def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *,
     say = say_on_stderr(t_start) if progress else quiet
     layers, cfg = check(list(config), as_overrides(overrides, **keys), say)
     start_ray(cfg.ray, say)
-    summary = launch(layers, t_start, progress=progress, say=say)
+    summary = launch(layers, cfg, t_start, progress=progress, say=say)
     return RunResult.read(summary["run_dir"])
 
 
 def shutdown() -> None:
-    """Stop the local Ray that `simulate` started (a joined cluster is only disconnected)."""
+    """Stop the processes earlier runs left for reuse (`ray.reuse_workers`) and the local
+    Ray that `simulate` started (a joined cluster is only disconnected)."""
     import ray
 
+    from raysim.runtime import pool
+
+    if ray.is_initialized():
+        pool.release()
     ray.shutdown()
 
 

@@ -144,23 +144,31 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-def launch(layers: list, t_start: float, progress: bool = True, say: Say = quiet) -> dict:
-    """Start the driver actor on this node (it writes the run directory here), wait for the
-    client actors, run every round, return the summary."""
+def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet) -> dict:
+    """Start the driver actor on this node (it writes the run directory here), or take the
+    one a finished run of this session left (`ray.reuse_workers`, runtime/pool.py), wait for
+    the client actors, run every round, return the summary."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from raysim.runtime import pool
     from raysim.runtime.driver import ServerDriver
 
-    here = ray.get_runtime_context().get_node_id()
-    say("starting the server: it loads and partitions the data while the client actors start")
-    driver = ServerDriver.options(
-        name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(t_start)
+    reuse = bool(cfg.ray.reuse_workers)
+    driver = pool.warm_driver(reuse)
+    if driver is None:
+        here = ray.get_runtime_context().get_node_id()
+        driver = ServerDriver.options(
+            name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        ).remote()
+        say("starting the server: it loads and partitions the data while the client actors start")
+    else:
+        say("the server and client actors of the last run are reused (ray.reuse_workers); loading the data")
     bar = None
     run_dir = None
+    keep = False
     try:
-        info = ray.get(driver.setup.remote(layers, os.getcwd()))
+        info = ray.get(driver.setup.remote(layers, os.getcwd(), t_start))
         say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
         wait_for_actors(driver, info, say)
         info = ray.get(driver.open_run.remote())
@@ -178,7 +186,9 @@ def launch(layers: list, t_start: float, progress: bool = True, say: Say = quiet
                 if row.get("accuracy") is not None:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
-        return ray.get(driver.finish.remote())
+        summary = ray.get(driver.finish.remote())
+        keep = True
+        return summary
     except ray.exceptions.ActorDiedError as e:
         if run_dir is None:
             raise
@@ -187,6 +197,9 @@ def launch(layers: list, t_start: float, progress: bool = True, say: Say = quiet
     except ray.exceptions.RayTaskError as e:
         flush(driver)
         known = e.cause if isinstance(e.cause, Exception) and _is_ours(e.cause) else None
+        # the processes are fit for another run after a clean stop: the data checks refused
+        # the run (nothing started), or it diverged (its summary says where)
+        keep = known is not None and (run_dir is None or type(known).__name__ == "RunDiverged")
         if known is not None:
             raise known from None  # ConfigError, RunDiverged: their message is the whole story
         raise RunFailed(failure_message(e, run_dir)) from None
@@ -201,7 +214,10 @@ def launch(layers: list, t_start: float, progress: bool = True, say: Say = quiet
     finally:
         if bar is not None:
             bar.close()
-        ray.kill(driver)
+        if keep and reuse:
+            pool.keep_driver(driver, cfg.plugins)
+        else:
+            ray.kill(driver)  # and the client actors it owns
 
 
 def _is_ours(e: BaseException) -> bool:

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, whose handler dumps a stack and aborts
     try:
-        summary = launch(layers, t_start, progress=not args.quiet, say=say)
+        summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
     except ConfigError as e:  # raised by the driver while checking the data, before anything is written
         print(f"error: {e}", file=sys.stderr)
         return 2

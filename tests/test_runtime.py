@@ -47,6 +47,27 @@ def test_same_model_with_one_or_three_actors(ray_local, tmp_path, algorithm):
     assert s1["final_accuracy"] == s3["final_accuracy"]
 
 
+# Server-side randomness (fedconcat: k-means, the classifier stage) and a client that seeds
+# torch's global RNG itself (moon) are where an earlier run in the same process could leak.
+@pytest.mark.parametrize("algorithm", ["moon", "fedconcat"])
+def test_reused_workers_give_the_same_model_as_fresh_ones(ray_local, tmp_path, algorithm):
+    common = [f"algorithm={algorithm}", "participation=0.5"] + \
+        (["fedconcat.encoder_rounds=2"] if algorithm == "fedconcat" else [])
+    d_fresh, s_fresh = run(tmp_path, "fresh", *common, "ray.reuse_workers=false")
+    run(tmp_path, "other", "algorithm=scaffold", "seed=3")  # leaves its processes, with their state
+    d_warm, s_warm = run(tmp_path, "warm", *common)
+    assert "reused from an earlier run" in (d_warm / "log.txt").read_text()
+    assert "reused from an earlier run" not in (d_fresh / "log.txt").read_text()
+    m_fresh, m_warm = torch.load(d_fresh / "model.pt"), torch.load(d_warm / "model.pt")
+    assert m_fresh.keys() == m_warm.keys()
+    for part in m_fresh:
+        if isinstance(m_fresh[part], dict):
+            for k, v in m_fresh[part].items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, m_warm[part][k]), (part, k)
+    assert s_fresh["final_accuracy"] == s_warm["final_accuracy"]
+
+
 def test_one_actor_per_client_gives_the_same_model(ray_local, tmp_path):
     common = ["num_clients=4", "participation=0.5", "resources.num_cpus_per_actor=0.5"]
     d1, _ = run(tmp_path, "packed", *common, "resources.clients_per_actor=4")
@@ -103,10 +124,12 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
     import ray
 
     from raysim.config import read_layers
+    from raysim.runtime import pool
     from raysim.runtime.server import FederatedServer
 
+    pool.release()  # the CPUs that earlier runs' idle actors hold
     layers = read_layers([], [*[b for b in BASE if b != "--quiet"], "participation=1.0", "resources.clients_per_actor=6",
-                              "rounds=4", f"output_dir={tmp_path}", "run_name=idle"])
+                              "rounds=4", f"output_dir={tmp_path}", "run_name=idle", "ray.reuse_workers=false"])
     server = FederatedServer(time.time())
     server.setup(layers, os.getcwd())
     server.open_run()

@@ -23,6 +23,7 @@ from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
+from raysim.runtime import pool
 from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import seed_for
@@ -33,21 +34,23 @@ class DataNotAttached(RuntimeError):
 
 
 class ClientActor:
-    def __init__(self, cfg: dict):
+    def __init__(self):
         """Starts before the data exists (the driver loads it meanwhile): imports torch and
-        the plugins and warms torch up; the data is attached on the first `run`."""
-        self.cfg = OmegaConf.create(cfg)
-        import_modules(self.cfg.plugins)
-        torch.set_num_threads(int(self.cfg.resources.torch_threads))
+        warms it up. Everything of a run (config, plugins, data) comes with the run's first
+        call, so the actor can serve later runs too (runtime/pool.py) and Ray can restart it."""
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
         _warm_up(self.device)
 
-    def _attach(self, data_refs: list, num_classes: int, norm: Optional[tuple]) -> None:
-        """Map the training arrays (zero-copy from the object store; copied once to the GPU
-        when the actor has one) and build the plugins and the scratch model. Runs on the
-        first call, and again on the first call after Ray restarted this actor."""
+    def _attach(self, cfg: dict, data_refs: list, num_classes: int, norm: Optional[tuple]) -> None:
+        """Take the run's config and plugins, map the training arrays (zero-copy from the
+        object store; copied once to the GPU when the actor has one) and build the plugins
+        and the scratch model. Runs on a run's first call to this actor, and again on the
+        first call after Ray restarted it."""
+        self.cfg = OmegaConf.create(cfg)
+        import_modules(self.cfg.plugins)
+        torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = ray.get(data_refs)
         with warnings.catch_warnings():  # object-store arrays are read-only; we never write them
             warnings.simplefilter("ignore", UserWarning)
@@ -70,9 +73,9 @@ class ClientActor:
         Returns the results in lists of `group` (one object each: a few objects for many
         small updates, one per client for big ones) and, for a plugin with
         `client_state = True`, then each client's new state as its own object (see
-        `FederatedServer.run_clients`). `data` = ([train arrays ref, train index ref],
-        num_classes, normalisation) on the first call to this actor and the first after a restart, else
-        None: references cost a little on every call that carries them."""
+        `FederatedServer.run_clients`). `data` = (config, [train arrays ref, train index ref],
+        num_classes, normalisation) on a run's first call to this actor and the first after a
+        restart, else None: references cost a little on every call that carries them."""
         if data is not None:
             self._attach(*data)
         elif self.x is None:
@@ -133,11 +136,12 @@ def _warm_up(device: torch.device) -> None:
     torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()
 
 
-def start_client_actors(cfg, run: str) -> tuple[list, str]:
-    """Start the client actors (how many: `placement.num_actors`), each reserving its CPU
-    share and GPU fraction, spread over the cluster's nodes, named `raysim-client-<i>.<run>`
-    (the Dashboard's actor view), restarted by Ray if its process dies. Returns the
-    actors and what each reserves, e.g. '1 CPU'.
+def start_client_actors(cfg, run: str) -> tuple[list, tuple, int]:
+    """The client actors (how many: `placement.num_actors`), each reserving its CPU share and
+    GPU fraction, spread over the cluster's nodes, restarted by Ray if its process dies:
+    idle ones a finished run left (`ray.reuse_workers`, runtime/pool.py) first, then new
+    ones named `raysim-client-<i>.<run>` (the Dashboard's actor view). Returns the actors,
+    what each reserves (cpus, gpus) and how many were reused.
 
     On a local Ray (no `ray.address`) actors the machine cannot hold are refused now, with
     the numbers; a joined cluster may autoscale, so there the CLI waits for placement
@@ -146,17 +150,19 @@ def start_client_actors(cfg, run: str) -> tuple[list, str]:
     total = ray.cluster_resources()
     n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))
     cpus, gpus = cpus_per_actor(cfg, n, total.get("CPU", 0)), float(res.num_gpus_per_actor)
+    reused = pool.take_client_actors((cpus, gpus), n if cfg.ray.reuse_workers else 0)
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     fit = actors_that_fit(nodes, cpus, gpus)
     if fit < n and cfg.ray.address is None:
+        pool.keep_client_actors((cpus, gpus), reused)
         raise ConfigError(f"resources: {n} client actors need {describe(cpus, gpus)} each, but this machine's Ray "
                           f"can hold {fit} ({total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs); lower "
                           "resources.num_cpus_per_actor / num_gpus_per_actor or use fewer actors "
                           "(resources.num_actors, resources.clients_per_actor)")
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
     cls = ray.remote(ClientActor)
-    plain = OmegaConf.to_container(cfg)
-    return [cls.options(name=f"raysim-client-{i}.{run}", **options).remote(plain) for i in range(n)], describe(cpus, gpus)
+    new = [cls.options(name=f"raysim-client-{i}.{run}", **options).remote() for i in range(len(reused), n)]
+    return reused + new, (cpus, gpus), len(reused)
 
 
 def describe(cpus: float, gpus: float) -> str:

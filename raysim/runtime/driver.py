@@ -1,8 +1,9 @@
 """The named driver actor, `raysim-server`, as the CLI sees it.
 
-A thin shell: the actor process imports `raysim.runtime.server` when it starts, and every
-call is handed to the `FederatedServer` there. The CLI sends the config layers (plain
-dicts), which the driver resolves again in its own process.
+A thin shell: the actor process imports `raysim.runtime.server` when it starts, `setup`
+makes a new `FederatedServer` for each run (a finished run's driver serves the next run of
+the session: runtime/pool.py), and every other call is handed to it. The CLI sends the
+config layers (plain dicts), which the driver resolves again in its own process.
 """
 from __future__ import annotations
 
@@ -16,12 +17,20 @@ from raysim.errors import RunDiverged
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class ServerDriver:
-    def __init__(self, t_start: float):
+    def __init__(self):
+        import raysim.runtime.server  # noqa: F401  (torch and the rest, while the caller waits anyway)
+
+        self.server = None
+
+    def ping(self) -> bool:
+        return True
+
+    def setup(self, layers: list, cwd: str, t_start: float) -> dict:
         from raysim.runtime.server import FederatedServer
 
+        if self.server is not None:
+            self.server.stop_actors()  # those an earlier run did not leave to the pool
         self.server = FederatedServer(t_start)
-
-    def setup(self, layers: list, cwd: str) -> dict:
         return self.server.setup(layers, cwd)
 
     def placed(self, timeout: float) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from raysim.algorithm import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record, to_yaml
@@ -36,9 +37,9 @@ from raysim.experiment import describe, prepare, run_dir_for
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
-from raysim.runtime import checkpoint, placement
+from raysim.runtime import checkpoint, placement, pool
 from raysim.runtime.observe import RayMetrics
-from raysim.runtime.client_actor import DataNotAttached, start_client_actors
+from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
 
@@ -64,15 +65,16 @@ class FederatedServer:
         else:
             self.run_dir = run_dir_for(self.cfg)
         # The client actors start now, while the data loads: each needs ~1.5 s for torch.
-        self.actors, self.actor_needs = start_client_actors(self.cfg, self.run_dir.name)
+        self.actors, self.actor_key, self.reused = start_client_actors(self.cfg, self.run_dir.name)
+        self.actor_needs = describe_needs(*self.actor_key)
         self._ready = [a.device_info.remote() for a in self.actors]
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:
-            for a in self.actors:
-                ray.kill(a)
+            self._release_actors()
             raise
-        self.shared_data = ([ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
+        self.shared_data = (OmegaConf.to_container(self.cfg),
+                            [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
                             num_classes, data.norm)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
@@ -102,7 +104,9 @@ class FederatedServer:
         saved = self.cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
         self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=ckpt["round"] if ckpt else None)
-        self.writer.log(f"{self.n_actors} client actors ({self.actor_needs} each) for {self.num_clients} clients")
+        self.writer.log(f"{self.n_actors} client actors ({self.actor_needs} each) for {self.num_clients} clients"
+                        + (f"; {self.reused} of them reused from an earlier run" if self.reused else ""))
+        torch.manual_seed(int(self.cfg.seed))  # nothing of an earlier run in this process (runtime/pool.py)
         self.metrics = RayMetrics(run_dir.name)
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, self.num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, self.num_classes)
@@ -381,7 +385,21 @@ class FederatedServer:
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
         summary["client_actor_nodes"] = nodes
         self.writer.finish(summary, self.algorithm.state_dict())
+        self._release_actors()
         return summary
+
+    def _release_actors(self) -> None:
+        """Leave the client actors to the next run of this Ray session (`ray.reuse_workers`),
+        or stop them."""
+        if self.cfg.ray.reuse_workers:
+            pool.keep_client_actors(self.actor_key, self.actors)
+            self.actors = []
+        self.stop_actors()
+
+    def stop_actors(self) -> None:
+        for a in getattr(self, "actors", []):
+            ray.kill(a)
+        self.actors = []
 
     def flush(self) -> None:
         """Write the metrics of the rounds so far (the run is being stopped early)."""

@@ -1,0 +1,103 @@
+"""Worker processes kept between runs in one Ray session (`ray.reuse_workers`, on by default).
+
+Starting a process that imports torch costs ~1.5 s, several seconds when a run's driver and
+client actors start together on two cores; a short run's rounds take well under a second.
+So a finished run leaves its processes for the next run of the same Ray session (a notebook
+calling `raysim.simulate`, a sweep, a test suite): the caller keeps the driver actor
+(`warm_driver` / `keep_driver`, in the caller's process) and the driver keeps its client
+actors (`take_client_actors` / `keep_client_actors`, in the driver's process).
+
+Nothing of a run survives in them: the driver builds a new `FederatedServer` per run and
+seeds its RNGs from the run's seed; a client actor gets the run's config, data and plugins
+with its first call of the run and seeds every client from (seed, round, client id). The
+same run gives the same model on warm and on fresh processes (tested). What does survive is
+imported code, so a driver is reused only while raysim's sources and the run's plugin
+modules are unchanged on disk (`code_stamp`); edits to other modules a plugin imports need
+`raysim.shutdown()` or `ray.reuse_workers=false`. A run that fails does not leave its
+processes. The CLI's Ray stops when the command ends, so there this changes nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+
+# ---------------------------------------------------------------- the caller's side: the driver
+# the caller's last finished run's driver; "key": (node id, job id, code stamp) when it was kept;
+# "plugins": every plugin module it or its client actors imported
+_warm: dict = {}
+
+
+def code_stamp(plugins) -> tuple:
+    """(path, mtime, size) of raysim's Python files and of the plugin modules' files."""
+    roots = [Path(__file__).resolve().parents[1]]
+    for name in sorted(plugins or ()):
+        try:
+            spec = importlib.util.find_spec(str(name))
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            roots += [Path(p) for p in spec.submodule_search_locations]
+        elif spec is not None and spec.origin:
+            roots.append(Path(spec.origin))
+    files = [f for r in roots for f in (sorted(r.rglob("*.py")) if r.is_dir() else [r])]
+    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.exists())
+
+
+def _session_key(plugins) -> tuple:
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_job_id(), code_stamp(plugins)
+
+
+def warm_driver(reuse: bool = True) -> Optional[Any]:
+    """The driver actor of this session's last finished run, if `reuse`, the code its
+    processes imported is unchanged on disk and its process is alive; taken out of the pool
+    (a run owns it until `keep_driver`). One that is not reused is stopped (its name is the
+    new driver's)."""
+    driver, key, plugins = _warm.pop("driver", None), _warm.pop("key", None), _warm.pop("plugins", ())
+    if driver is None:
+        return None
+    if reuse and key == _session_key(plugins):
+        try:
+            ray.get(driver.ping.remote(), timeout=10)
+            _warm["plugins"] = plugins  # until keep_driver adds this run's
+            return driver
+        except Exception:  # died, or belongs to a Ray that was shut down since
+            pass
+    try:
+        ray.kill(driver)  # its client actors go with it
+    except Exception:
+        pass
+    return None
+
+
+def keep_driver(driver, plugins) -> None:
+    imported = tuple(sorted(set(_warm.pop("plugins", ())) | set(plugins or ())))
+    _warm.update(driver=driver, plugins=imported, key=_session_key(imported))
+
+
+def release() -> None:
+    """Stop the kept driver and its idle client actors (they hold CPUs and GPUs)."""
+    warm_driver(reuse=False)
+
+
+# ---------------------------------------------------------------- the driver's side: client actors
+_idle: list[tuple[tuple, Any]] = []  # (what the actor reserves: (cpus, gpus), handle)
+
+
+def take_client_actors(needs: tuple, n: int) -> list:
+    """Up to `n` idle client actors that reserve `needs`; the other idle ones are stopped
+    (they hold CPUs and GPUs the run's new actors may need)."""
+    taken, rest = [], []
+    for have, actor in _idle:
+        (taken if have == needs and len(taken) < n else rest).append(actor)
+    _idle.clear()
+    for actor in rest:
+        ray.kill(actor)
+    return taken
+
+
+def keep_client_actors(needs: tuple, actors: list) -> None:
+    _idle.extend((needs, a) for a in actors)
