@@ -16,17 +16,32 @@ CASES = [
     (["no_such_key=1"], "unknown config key 'no_such_key'"),
     (["local.lrr=0.1"], "unknown config key 'local.lrr'"),
     (["rounds=many"], "bad value for config key 'rounds'"),
-    (["model=cnn"], "model='cnn' does not fit dataset 'digits'"),
-    (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
     (["local.lr=inf"], "local.lr=inf is not a finite number"),
     (["run_name=../../x"], "run_name='../../x' must be a plain folder name inside output_dir"),
     (["seed=-1"], "seed must be in [0, 2**32), got -1"),
     (["dataset=synthetic", "num_clients=1000000"], "1000000 clients with FedProx's log-normal sizes make"),
     (["ray.num_cpus=0"], "ray.num_cpus must be >= 1"),
-    (["resources.num_gpus_per_actor=0.5"], "client actors need 1 CPU + 0.5 GPU each, but this machine's Ray can hold 0"),
     (["resources.clients_per_actor=1", "resources.num_cpus_per_actor=1", "num_clients=4", "ray.num_cpus=2"],
      "4 client actors need 1 CPU each, but this machine's Ray can hold 2"),
 ]
+
+
+# Checks the server makes once Ray is up (data, placement): the same `main` in this process,
+# on the session's Ray (the CASES above have one, in its own process and Ray: the last).
+SERVER_CASES = [
+    (["model=cnn"], "model='cnn' does not fit dataset 'digits'"),
+    (["resources.num_gpus_per_actor=0.5"], "client actors need 1 CPU + 0.5 GPU each, but this machine's Ray can hold 0"),
+]
+
+
+@pytest.mark.parametrize("args,message", SERVER_CASES, ids=[" ".join(a) for a, _ in SERVER_CASES])
+def test_bad_input_the_server_finds_gives_one_clear_line(ray_local, tmp_path, capfd, args, message):
+    from raysim.run import main
+
+    assert main([*args, f"output_dir={tmp_path / 'runs'}", "--quiet"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 # Checks on the data: a run makes them in its server once Ray is up (the CASES above that
@@ -36,6 +51,7 @@ DATA_CASES = [
     (["partition=classes", "partition.k=11"], "partition.k=11 is more than the dataset's 10 classes"),
     (["num_clients=5000"], "num_clients=5000 is more than the 1437 training samples"),
     (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
+    (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
     (["model=resnet8", "dataset=synthetic", "partition=natural"], "model='resnet8' does not fit dataset 'synthetic'"),
 ]
 

@@ -84,10 +84,11 @@ def _cmd(p: psutil.Process) -> str:
 
 
 @pytest.mark.slow
-def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(tmp_path):
+def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_local, tmp_path):
     """One local run from a folder holding its own `algorithms/` package: its Ray listens on
     loopback only; one actor per client fits 2 CPUs (fractional shares); killing the driver
-    ends the CLI with one line naming `resume=`, which then finishes the run."""
+    ends the CLI with one line naming `resume=`, which then finishes the run (here on the
+    test session's Ray)."""
     (tmp_path / "algorithms").mkdir()
     marker = tmp_path / "SHADOWED"
     (tmp_path / "algorithms" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
@@ -122,8 +123,7 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(tmp_pa
     lines = err.strip().splitlines()
     assert lines[-1].startswith("error: the server process died") and f"resume={run}" in lines[-1], err[-2000:]
     assert sum(line.startswith("error") for line in lines) == 1 and "Traceback" not in err
-    r = cli([f"resume={run}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main([f"resume={run}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"]) == 0
     assert (run / "model.pt").exists()
     assert not marker.exists()  # the folder named `algorithms` was never imported
 
@@ -136,7 +136,7 @@ def test_ray_that_cannot_start_is_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_corrupt_dataset_file_is_named_and_leaves_nothing(tmp_path):
+def test_a_corrupt_dataset_file_is_named_and_leaves_nothing(ray_local, tmp_path, capfd):
     """A download that saved an error page as a .gz: one line naming the file, no 0-byte
     unpacked file left to break the next run, no run directory."""
     import gzip
@@ -146,8 +146,8 @@ def test_a_corrupt_dataset_file_is_named_and_leaves_nothing(tmp_path):
     for f in ("train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         (raw / f"{f}.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\0"))  # whole, empty IDX files
     (raw / "train-images-idx3-ubyte.gz").write_bytes(b"<html>503 Service Unavailable</html>")
-    r = cli(["dataset=mnist", "model=cnn", "download=false", f"data_dir={tmp_path / 'data'}", "rounds=1",
-             f"output_dir={tmp_path / 'runs'}"], tmp_path)
-    assert r.returncode == 2
-    assert f"{raw / 'train-images-idx3-ubyte.gz'} is not a whole gzip file" in one_error_line(r)
+    assert main(["dataset=mnist", "model=cnn", "download=false", f"data_dir={tmp_path / 'data'}", "rounds=1",
+                 f"output_dir={tmp_path / 'runs'}", "--quiet"]) == 2  # found by the server, Ray up
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"{raw / 'train-images-idx3-ubyte.gz'} is not a whole gzip file" in err, err
     assert not (raw / "train-images-idx3-ubyte").exists() and not (tmp_path / "runs").exists()

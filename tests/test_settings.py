@@ -166,11 +166,13 @@ def test_stopping_says_how_to_resume_and_leaves_no_ray_processes(tmp_path, how):
         args.append("ray.dashboard=true")
     p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     err = []
-    for line in p.stderr:  # wait for the first rounds
+    for line in p.stderr:  # wait for the run to start
         err.append(line)
         if "run directory:" in line:
             break
-    time.sleep(4)
+    deadline = time.time() + 60
+    while not (tmp_path / "stop" / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
     tree = _ray_tree(p.pid)
     assert any("raylet" in " ".join(c.cmdline()) for c in tree if c.is_running())
     os.kill(p.pid, how)
