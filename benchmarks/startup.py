@@ -13,7 +13,9 @@ process started; the phases are the gaps between them:
   client actors      -> "run directory" (the client actors are placed and have imported torch)
   round 1            -> summary.json's seconds_to_end_of_round_1
 A plain loop (this file with --plain) pays only its imports and data before its round 1.
-Medians over the repeats; the machine should be idle.
+Then the same workload through `raysim.simulate` in one Python process, call after call: the
+first call starts Ray and the workers, the later ones reuse them (`ray.reuse_workers`), which
+is what a notebook or a sweep sees. Medians over the repeats; the machine should be idle.
 """
 from __future__ import annotations
 
@@ -68,6 +70,18 @@ def plain_start(args: list[str]) -> float:
     return float(r.stdout.strip().splitlines()[-1])
 
 
+def in_one_session(args: list[str], out: str, name: str, calls: int) -> list[float]:
+    """Seconds from each `raysim.simulate` call to the end of its round 1, `calls` calls in
+    one fresh Python process (the first starts Ray and the workers)."""
+    code = ("import json, sys, raysim; out = []\n"
+            f"for i in range({calls}):\n"
+            f"    r = raysim.simulate({args!r} + ['output_dir={out}', f'run_name={name}-session-{{i}}'], progress=False)\n"
+            "    out.append(r.summary['seconds_to_end_of_round_1'])\n"
+            "raysim.shutdown(); print(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
@@ -85,6 +99,10 @@ def main() -> None:
                 print(f"  {label:<18} {statistics.median(vals):6.2f}   ({', '.join(f'{v:.2f}' for v in vals)})")
             print(f"  {'plain: imports + data':<18} {plain:6.2f}   (a process that imports torch and raysim's "
                   "data code and loads the same data, no training)")
+            session = in_one_session(WORKLOADS[w], out, w, 1 + a.repeats)
+            print(f"  raysim.simulate in one process, call to end of round 1: first {session[0]:.2f}, then "
+                  f"{statistics.median(session[1:]):.2f} (median; {', '.join(f'{v:.2f}' for v in session[1:])}: "
+                  "workers reused)")
 
 
 if __name__ == "__main__":
