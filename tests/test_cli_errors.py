@@ -36,7 +36,6 @@ SERVER_CASES = [
 
 @pytest.mark.parametrize("args,message", SERVER_CASES, ids=[" ".join(a) for a, _ in SERVER_CASES])
 def test_bad_input_the_server_finds_gives_one_clear_line(ray_local, tmp_path, capfd, args, message):
-
     assert main([*args, f"output_dir={tmp_path / 'runs'}", "--quiet"]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
