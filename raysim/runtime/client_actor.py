@@ -161,7 +161,7 @@ def start_client_actors(cfg, run: str) -> tuple[list, tuple, int]:
                           "(resources.num_actors, resources.clients_per_actor)")
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
     cls = ray.remote(ClientActor)
-    new = [cls.options(name=f"raysim-client-{i}.{run}", **options).remote() for i in range(len(reused), n)]
+    new = [cls.options(name=pool.actor_name(i, run), **options).remote() for i in range(len(reused), n)]
     return reused + new, (cpus, gpus), len(reused)
 
 

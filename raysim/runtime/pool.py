@@ -68,6 +68,7 @@ def warm_driver(reuse: bool = True) -> Optional[Any]:
             pass
     try:
         ray.kill(driver)  # its client actors go with it
+        ray.get(driver.ping.remote(), timeout=10)  # raises once it is gone, and its name free
     except Exception:
         pass
     return None
@@ -85,6 +86,18 @@ def release() -> None:
 
 # ---------------------------------------------------------------- the driver's side: client actors
 _idle: list[tuple[tuple, Any]] = []  # (what the actor reserves: (cpus, gpus), handle)
+_names: set = set()  # the actor names this driver process has given
+
+
+def actor_name(i: int, run: str) -> str:
+    """`raysim-client-<i>.<run>`, made unique among the names this process gave: an actor
+    just stopped may still hold its name for a moment (Ray frees it asynchronously)."""
+    name, k = f"raysim-client-{i}.{run}", 1
+    while name in _names:
+        k += 1
+        name = f"raysim-client-{i}.{run}.{k}"
+    _names.add(name)
+    return name
 
 
 def take_client_actors(needs: tuple, n: int) -> list:
