@@ -116,6 +116,14 @@ class Algorithm:
         """Models to evaluate on the global test set; the first one is 'the' accuracy."""
         return {}
 
+    def serving(self, cids: list[int]) -> dict[str, list[int]]:
+        """Per-client evaluation (`partition.test_fraction > 0`, runtime/local_eval.py):
+        which of `eval_models()` serves which of the clients `cids` on their own test data.
+        Default: the first model serves all; an algorithm with a model per group or per
+        client says which (FedGroup: a client's group model)."""
+        models = self.eval_models()
+        return {next(iter(models)): list(cids)} if models else {}
+
     def state_dict(self) -> dict:
         """Server state: saved as the run's final model and in its checkpoints. Override
         (with `load_state_dict`) when the server keeps more than its evaluated models, e.g.

@@ -19,7 +19,10 @@ def summarize(rows: list[dict], wall_seconds: float, client_updates: int, first_
     last = acc[-10:]
     mean = sum(last) / len(last) if last else float("nan")
     std = math.sqrt(sum((a - mean) ** 2 for a in last) / len(last)) if last else float("nan")
+    local = [r["local_accuracy"] for r in rows if r.get("local_accuracy") is not None]  # runtime/local_eval.py
+    extra = {"final_local_accuracy": local[-1], "best_local_accuracy": max(local)} if local else {}
     return {
+        **extra,
         "final_accuracy": acc[-1] if acc else None,
         "best_accuracy": max(acc) if acc else None,
         "last10_mean_accuracy": mean if last else None,

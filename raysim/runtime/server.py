@@ -39,6 +39,7 @@ from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint, placement, pool
 from raysim.runtime.observe import RayMetrics
+from raysim.runtime.local_eval import local_tests
 from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
@@ -77,6 +78,7 @@ class FederatedServer:
                             [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
                             num_classes, data.norm)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
+        self.local_tests = local_tests(data.x_train, data.y_train, part.test)  # None without partition.test_fraction
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
@@ -216,13 +218,17 @@ class FederatedServer:
         return kept, epochs
 
     def _record(self, rnd: int, cid: int, method: str, status: str, reason: Optional[str] = None,
-                result: Optional[ClientResult] = None, epochs: Optional[int] = None) -> None:
+                result: Optional[ClientResult] = None, epochs: Optional[int] = None,
+                accuracy: Optional[float] = None, num_samples: Optional[int] = None) -> None:
+        """One row of the clients table: a call to a client (training, or another method),
+        or (method `evaluate`) its accuracy on its local test data."""
         m = result.metrics if result is not None else {}
+        if num_samples is None:
+            num_samples = int(result.num_samples if result is not None else self.sizes[cid])
         self._round_records.append({
             "round": rnd, "cid": cid, "method": method, "status": status, "reason": reason,
-            "num_samples": int(result.num_samples if result is not None else self.sizes[cid]),
-            "epochs": epochs, "straggler": cid in self.stragglers,
-            "loss": m.get("loss"), "seconds": m.get("seconds")})
+            "num_samples": num_samples, "epochs": epochs, "straggler": cid in self.stragglers,
+            "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy})
 
     def _collect(self, rnd: int, method: str, calls: list, epochs: dict) -> Iterator[ClientResult]:
         for a, chunk, group_refs, state_refs in calls:
@@ -283,11 +289,15 @@ class FederatedServer:
         models = self.algorithm.eval_models()
         self._check_finite(rnd, extra, models)
         row: dict = {"round": rnd}
+        evaluated: dict[int, float] = {}  # per-client accuracy on local test data
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
             for i, (name, model) in enumerate(models.items()):
                 ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
+            if self.local_tests is not None:
+                local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(self.local_tests.cids))
+                row.update(local)
         row.update(extra)
         row.update(self.selection.round_metrics())
         if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
@@ -313,6 +323,8 @@ class FederatedServer:
         })
         if self.first_round_seconds is None:
             self.first_round_seconds = time.time() - self.t_start
+        for cid, acc in evaluated.items():
+            self._record(rnd, cid, "evaluate", "ok", accuracy=acc, num_samples=int(self.local_tests.sizes[cid]))
         self.writer.round(row, self._round_records)
         self.metrics.record(row)
         every = int(self.cfg.checkpoint_every)
