@@ -169,8 +169,9 @@ def quantity(y, n, p, rng, num_classes, users=None):
 
 @PARTITIONS.register("power_law")
 def power_law(y, n, p, rng, num_classes, users=None):
-    """Heavy-tailed sizes: IID labels, client sizes ~ log-normal(0, sigma) (the LEAF / FedProx
-    recipe that the papers call power law), with each client guaranteed min_size samples."""
+    """Heavy-tailed sizes with IID labels: client sizes ~ log-normal(0, sigma), each client
+    guaranteed min_size samples. Not FedProx's MNIST recipe (each client 2 digits, power-law
+    sizes), which also skews the labels; that one is still to be added (issue 12)."""
     extra = len(y) - n * p.min_size
     if extra < 0:
         raise ConfigError(f"partition 'power_law': {n} clients x partition.min_size={p.min_size} exceeds the {len(y)} samples")
