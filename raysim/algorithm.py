@@ -116,6 +116,11 @@ class Algorithm:
         """Models to evaluate on the global test set; the first one is 'the' accuracy."""
         return {}
 
+    def clients_joined(self, rnd: int, cids: list[int], server: Server) -> None:
+        """Clients that join late (`clients.join`, runtime/availability.py) arrive at the start
+        of round `rnd`, before selection: an algorithm that places clients (FedGroup's client
+        cold start) does it here or when they are first selected. Default: nothing."""
+
     def serving(self, cids: list[int]) -> dict[str, list[int]]:
         """Per-client evaluation (`partition.test_fraction > 0`, runtime/local_eval.py):
         which of `eval_models()` serves which of the clients `cids` on their own test data.
@@ -151,11 +156,15 @@ class Selection:
         self.cfg = cfg
         self.num_clients = num_clients
         self.num_classes = num_classes
+        # the clients there this round (clients that join late are not, before their round:
+        # runtime/availability.py); the server sets it before each `select`
+        self.available: list[int] = list(range(num_clients))
 
     def setup(self, server: Server) -> None:
         pass
 
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
+        """k clients from `self.available` (k is at most its length)."""
         raise NotImplementedError
 
     def round_metrics(self) -> dict:

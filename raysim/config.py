@@ -116,6 +116,21 @@ class FaultsConfig:
 
 
 @dataclass
+class JoinConfig:
+    """Clients that join late (newcomers), for any algorithm and selection: see
+    runtime/availability.py. Which clients are late is drawn once from the seed."""
+
+    fraction: float = 0.0  # share of the clients (at least one when > 0) not there at the start
+    round: int = 1  # the first round they can be selected
+    over: int = 1  # they arrive in equal batches over this many rounds, from `round` on
+
+
+@dataclass
+class ClientsConfig:
+    join: JoinConfig = field(default_factory=JoinConfig)
+
+
+@dataclass
 class Config:
     algorithm: str = "fedavg"
     selection: str = "random"
@@ -138,6 +153,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint
@@ -403,7 +419,10 @@ def check_resumable(record: Optional[dict], cfg: DictConfig, where: str) -> None
                           "(written by an older raysim), so config.yaml cannot be checked against it")
     now = run_record(cfg)
     missing = object()
-    diff = [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)]
+    # a key the record lacks at its default value: added to raysim since the checkpoint was written
+    added = run_record(OmegaConf.structured(Config))
+    diff = [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)
+            and not (k not in record and k in added and now.get(k) == added[k])]
     if diff:
         k = diff[0]
         more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
@@ -526,6 +545,13 @@ def validate(cfg: DictConfig) -> None:
          f"faults.crash_round must be in [1, rounds={cfg.rounds}], got {fa.crash_round}")
     need(fa.crash_client == -1 or 0 <= fa.crash_client < cfg.num_clients,
          f"faults.crash_client must be a client id in [0, num_clients={cfg.num_clients}), got {fa.crash_client}")
+    j = cfg.clients.join
+    need(0 <= j.fraction < 1, f"clients.join.fraction must be in [0, 1) (some clients must be there at the start), "
+                              f"got {j.fraction}")
+    need(j.over >= 1, f"clients.join.over must be >= 1 (rounds over which the newcomers arrive), got {j.over}")
+    need(j.fraction == 0 or 2 <= j.round and j.round + j.over - 1 <= cfg.rounds,
+         f"clients.join: newcomers arrive in rounds [round, round + over - 1] = [{j.round}, {j.round + j.over - 1}], "
+         f"which must lie in [2, rounds={cfg.rounds}]")
     r = cfg.resources
     cpa = r.clients_per_actor
     need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),

@@ -94,7 +94,7 @@ class FedEntOpt(LabelCountSelection):
 
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
         buffered = set(self.buffer)
-        candidates = [c for c in range(self.num_clients) if c not in buffered]
+        candidates = [c for c in self.available if c not in buffered]
         if len(candidates) < k:  # take every candidate, fill up with the buffer's oldest
             chosen = candidates + [c for c in self.buffer][: k - len(candidates)]
         else:
@@ -125,4 +125,4 @@ class KLSelection(LabelCountSelection):
     """Greedy minimum KL divergence to uniform from the empty cohort, no buffer."""
 
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
-        return greedy_max_entropy(self.counts, list(range(self.num_clients)), k)
+        return greedy_max_entropy(self.counts, list(self.available), k)

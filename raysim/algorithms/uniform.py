@@ -10,4 +10,5 @@ from raysim.registry import SELECTIONS
 @SELECTIONS.register("random")
 class UniformSelection(Selection):
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
-        return sorted(rng.choice(self.num_clients, size=k, replace=False).tolist())
+        # with every client there, the same draw as rng.choice(num_clients, k)
+        return sorted(rng.choice(np.asarray(self.available), size=k, replace=False).tolist())

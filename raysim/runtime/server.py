@@ -39,6 +39,7 @@ from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint, placement, pool
 from raysim.runtime.observe import RayMetrics
+from raysim.runtime.availability import Availability
 from raysim.runtime.local_eval import local_tests
 from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
@@ -83,6 +84,7 @@ class FederatedServer:
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         self.num_clients = int(self.cfg.num_clients)
+        self.availability = Availability(self.cfg, self.num_clients)
         share = float(self.cfg.system.stragglers)  # a share > 0 makes at least one straggler
         n_slow = max(1, int(round(share * self.num_clients))) if share > 0 else 0
         self.stragglers = set(np.random.default_rng([int(self.cfg.seed), 4]).choice(
@@ -144,7 +146,8 @@ class FederatedServer:
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
         t0 = time.perf_counter()
-        k = clients_per_round(self.cfg) if k is None else k
+        self.selection.available = self.availability.available(rnd)
+        k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
         self._timing["select"] += time.perf_counter() - t0
         return self._selected
@@ -284,6 +287,12 @@ class FederatedServer:
         self._selected = None
         self._timing = dict.fromkeys(self._timing, 0.0)
         bytes_before = list(self._bytes)
+        joining = self.availability.joining(rnd)
+        if joining:
+            for c in joining:
+                self._record(rnd, c, "join", "ok")
+            self.writer.log(f"round {rnd}: {len(joining)} clients join: {joining}")
+            self.algorithm.clients_joined(rnd, joining, self)
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
         models = self.algorithm.eval_models()
@@ -296,7 +305,9 @@ class FederatedServer:
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
             if self.local_tests is not None:
-                local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(self.local_tests.cids))
+                there = set(self.availability.available(rnd))
+                cids = [c for c in self.local_tests.cids if c in there]
+                local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
         row.update(extra)
         row.update(self.selection.round_metrics())
@@ -304,10 +315,12 @@ class FederatedServer:
             cohort = self.true_counts[self._selected].sum(0)
             row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
                         "cohort_labels": int((cohort > 0).sum())})
-        ok = [r for r in self._round_records if r["status"] == "ok"]
+        calls = [r for r in self._round_records if r["method"] != "join"]
+        ok = [r for r in calls if r["status"] == "ok"]
         row.update({
-            "clients": len(self._round_records),
-            "dropped": len(self._round_records) - len(ok),
+            "clients": len(calls),
+            "dropped": len(calls) - len(ok),
+            "available": len(self.availability.available(rnd)),
             "bytes_down": self._bytes[0],  # cumulative, from the start of the run
             "bytes_up": self._bytes[1],
             "round_bytes_down": self._bytes[0] - bytes_before[0],  # this round's (setup's only in the totals)

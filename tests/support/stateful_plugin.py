@@ -49,3 +49,20 @@ class NaNInRound3(FedAvg):
             result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
             result.metrics["loss"] = float("nan")
         return result
+
+
+@ALGORITHMS.register("test_join_recorder")
+class JoinRecorder(FedAvg):
+    """FedAvg that records the newcomers the server announces, as a per-round metric."""
+
+    def setup(self, server):
+        super().setup(server)
+        self.told: list = []
+
+    def clients_joined(self, rnd, cids, server):
+        self.told = [rnd, *cids]
+
+    def run_round(self, rnd, server):
+        extra = super().run_round(rnd, server) or {}
+        told, self.told = self.told, []
+        return {**extra, "told_joined": told}
