@@ -167,6 +167,11 @@ class Selection:
         """k clients from `self.available` (k is at most its length)."""
         raise NotImplementedError
 
+    def clients_joined(self, rnd: int, cids: list[int], server: Server) -> None:
+        """Clients that join late arrive at the start of round `rnd` (before the algorithm
+        hears of them): a strategy that gathers client information in `setup` gathers
+        theirs here. Default: nothing."""
+
     def round_metrics(self) -> dict:
         """Extra per-round metrics about the last selection (e.g. cohort entropy)."""
         return {}

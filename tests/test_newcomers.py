@@ -46,3 +46,18 @@ def test_the_algorithm_is_told_who_joins(ray_local, tmp_path):
     joined = sorted(r["cid"] for r in rows if r["method"] == "join")
     m = pq.read_table(tmp_path / "told" / "metrics.parquet").to_pylist()
     assert [r["told_joined"] for r in m] == [[], [], [3, *joined], []]
+
+
+def test_fedentopt_with_newcomers_resumes_to_the_same_model(ray_local, tmp_path):
+    """Newcomers upload their (noisy) label counts when they join; a resumed run gathers the same."""
+    import torch
+
+    common = ["selection=fedentopt", "fedentopt.epsilon=1", "num_clients=10", "participation=0.5", "clients.join.fraction=0.4",
+              "clients.join.round=2", "clients.join.over=2", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=3", "run_name=short"]) == 0
+    assert main([f"resume={tmp_path / 'short'}", "rounds=6", "--quiet"]) == 0
+    assert main([*common, "rounds=6", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("short", "whole"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    sa, sb = ([r["selected"] for r in pq.read_table(tmp_path / n / "metrics.parquet").to_pylist()] for n in ("short", "whole"))
+    assert sa == sb

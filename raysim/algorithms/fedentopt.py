@@ -54,9 +54,17 @@ class LabelCountSelection(Selection):
     epsilon = 0.0  # Laplace DP budget for the upload; 0 = no noise
 
     def setup(self, server) -> None:
-        everyone = list(range(self.num_clients))
-        results = server.run_clients(0, everyone, {"epsilon": self.epsilon}, method="label_counts", on="selection")
+        """The counts of the clients there (all of them unless some join late)."""
         self.counts = np.zeros((self.num_clients, self.num_classes))
+        self.gather(server, list(self.available))
+
+    def clients_joined(self, rnd: int, cids: list[int], server) -> None:
+        self.gather(server, cids)
+
+    def gather(self, server, cids: list[int]) -> None:
+        """Each client uploads its counts once: a round-0 call whenever it happens (its noise
+        is drawn from (seed, 0, client id)), so a resumed run gathers the same counts."""
+        results = server.run_clients(0, cids, {"epsilon": self.epsilon}, method="label_counts", on="selection")
         for r in results:
             self.counts[r.cid] = r.update
 

@@ -125,6 +125,8 @@ class FederatedServer:
         self._killed_in: Optional[int] = None  # the last round faults.kill_* struck
         self.client_updates = 0
         self.first_round_seconds: Optional[float] = None
+        # the clients there in the first round this process runs (a resumed run: after its checkpoint)
+        self.selection.available = self.availability.available(ckpt["round"] + 1 if ckpt else 1)
         self.selection.setup(self)
         self.algorithm.setup(self)
         self.start_round = 1
@@ -146,7 +148,6 @@ class FederatedServer:
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
         t0 = time.perf_counter()
-        self.selection.available = self.availability.available(rnd)
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
         self._timing["select"] += time.perf_counter() - t0
@@ -287,11 +288,13 @@ class FederatedServer:
         self._selected = None
         self._timing = dict.fromkeys(self._timing, 0.0)
         bytes_before = list(self._bytes)
+        self.selection.available = self.availability.available(rnd)
         joining = self.availability.joining(rnd)
         if joining:
             for c in joining:
                 self._record(rnd, c, "join", "ok")
             self.writer.log(f"round {rnd}: {len(joining)} clients join: {joining}")
+            self.selection.clients_joined(rnd, joining, self)
             self.algorithm.clients_joined(rnd, joining, self)
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
@@ -315,7 +318,8 @@ class FederatedServer:
             cohort = self.true_counts[self._selected].sum(0)
             row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
                         "cohort_labels": int((cohort > 0).sum())})
-        calls = [r for r in self._round_records if r["method"] != "join"]
+        # this round's calls (not joins, nor a selection's round-0 uploads for newcomers)
+        calls = [r for r in self._round_records if r["method"] != "join" and r["round"] == rnd]
         ok = [r for r in calls if r["status"] == "ok"]
         row.update({
             "clients": len(calls),
