@@ -16,6 +16,8 @@ def test_newcomers_arrive_in_batches_drawn_from_the_seed():
     assert sorted(a.joining(3) + a.joining(4)) == late and len(a.joining(3)) == 2 and not a.joining(5)
     assert a.available(4) == list(range(10))
     assert Availability(cfg, 10).joins.tolist() == a.joins.tolist()  # a function of the seed
+    with pytest.raises(ConfigError, match="fedconcat clusters every client before round 1"):
+        load_config(overrides=["algorithm=fedconcat", "clients.join.fraction=0.3", "clients.join.round=25"])
     with pytest.raises(ConfigError, match=r"must lie in \[2, rounds=6\]"):
         load_config(overrides=["rounds=6", "clients.join.fraction=0.3", "clients.join.round=6", "clients.join.over=2"])
 

@@ -160,6 +160,10 @@ class FedConcat(Algorithm):
         if not 1 <= c.encoder_rounds < cfg.rounds:
             raise ConfigError(f"fedconcat.encoder_rounds must be in [1, rounds={cfg.rounds}) (the rest of "
                               f"the rounds train the classifier), got {c.encoder_rounds}")
+        if cfg.clients.join.fraction > 0:
+            raise ConfigError(f"{cfg.algorithm} clusters every client before round 1 and trains its classifier on "
+                              f"all of them, so clients cannot join late: set clients.join.fraction=0 "
+                              f"(got {cfg.clients.join.fraction})")
         if c.classifier_steps < 1 or c.probe_samples < 1:
             raise ConfigError(f"fedconcat.classifier_steps and .probe_samples must be >= 1")
         if c.classifier_weighting not in ("uniform", "samples"):
