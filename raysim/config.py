@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -136,6 +136,7 @@ class Config:
     selection: str = "random"
     dataset: str = "digits"
     model: str = "mlp"
+    model_options: Dict[str, Any] = field(default_factory=dict)  # the model's own arguments, e.g. mlp's hidden
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     num_clients: int = 20
     clients_per_round: Optional[int] = None  # overrides participation when set
@@ -184,6 +185,7 @@ def schema() -> DictConfig:
                 if section is not None and section not in base:
                     base[section] = OmegaConf.structured(reg.get(name).Config)
     OmegaConf.set_struct(base, True)
+    OmegaConf.set_struct(base.model_options, False)  # the model's own arguments: checked in validate
     return base
 
 
@@ -491,6 +493,16 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    from raysim.models import model_option_names
+
+    takes = model_option_names(cfg.model)
+    for key in cfg.model_options:
+        need(key in takes, f"model_options.{key}: model {cfg.model!r} takes "
+                           f"{', '.join(takes) if takes else 'no options'}")
+    hidden = cfg.model_options.get("hidden")
+    need(hidden is None or (isinstance(hidden, Iterable) and not isinstance(hidden, str)
+                            and all(isinstance(h, int) and h >= 1 for h in hidden)),
+         f"model_options.hidden must be a list of layer sizes >= 1, e.g. [128], got {hidden!r}")
     need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
     need(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
     if cfg.clients_per_round is not None:

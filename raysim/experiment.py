@@ -26,7 +26,7 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                           f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
     part = make_partition(data.y_train, cfg, n_classes, data.users_train)
-    problem = _misfit(cfg.model, data.input_shape, n_classes)
+    problem = _misfit(cfg.model, data.input_shape, n_classes, cfg.model_options)
     if problem is not None:
         from raysim.registry import MODELS
 
@@ -36,10 +36,10 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
     return data, part, n_classes
 
 
-def _misfit(model_name: str, input_shape: tuple, n_classes: int):
+def _misfit(model_name: str, input_shape: tuple, n_classes: int, options=None):
     """None if the model takes these inputs, else the first line of what went wrong."""
     try:
-        model = build_model(model_name, input_shape, n_classes)
+        model = build_model(model_name, input_shape, n_classes, options)
         with torch.no_grad():
             model.eval()(torch.zeros(2, *input_shape))
     except (RuntimeError, ValueError) as e:

@@ -22,3 +22,20 @@ def test_model_forward_and_split(name, shape):
     assert feats.shape == (3, model.feature_dim)
     assert torch.allclose(model.head(feats), model(x))
     assert model(x).shape == (3, 7)
+
+
+def test_mlp_hidden_layers_are_an_option_and_fedgroups_mlp_has_its_parameter_count(ray_local, tmp_path):
+    from raysim.config import ConfigError, load_config
+    from raysim.models import model_from
+    from raysim.run import main
+
+    cfg = load_config(overrides=["model_options.hidden=[128]"])
+    assert sum(p.numel() for p in model_from(cfg, (1, 28, 28), 10).parameters()) == 101_770  # FedGroup's MLP on MNIST
+    with pytest.raises(ConfigError, match="model_options.depth: model 'mlp' takes hidden"):
+        load_config(overrides=["model_options.depth=3"])
+    with pytest.raises(ConfigError, match="model_options.hidden: model 'cnn' takes no options"):
+        load_config(overrides=["model=cnn", "model_options.hidden=[8]"])
+    # the server and the client actors build the same network
+    assert main(["model_options.hidden=[16]", "rounds=2", f"output_dir={tmp_path}", "run_name=h", "--quiet"]) == 0
+    weights = torch.load(tmp_path / "h" / "model.pt", weights_only=True)["global"]
+    assert [tuple(v.shape) for k, v in weights.items() if k.endswith("weight")] == [(16, 64), (10, 16)]

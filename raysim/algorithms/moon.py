@@ -28,7 +28,7 @@ from torch import nn
 
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.config import ConfigError
-from raysim.models import EncoderHead, build_model
+from raysim.models import EncoderHead, model_from
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, local_sgd, seed_for
 
@@ -85,7 +85,7 @@ class Moon(FedAvg):
         """Three scratch networks per actor (trained, global, previous), built once."""
         if getattr(self, "_scratch", None) is None:
             shape = tuple(client.x.shape[1:])
-            self._scratch = [self.build(build_model(self.cfg.model, shape, self.num_classes)).to(client.device)
+            self._scratch = [self.build(model_from(self.cfg, shape, self.num_classes)).to(client.device)
                              for _ in range(3)]
         return self._scratch
 
@@ -94,7 +94,7 @@ class Moon(FedAvg):
         from (seed, client id): what a client first selected after round 1 has as 'previous'."""
         torch.manual_seed(seed_for(int(self.cfg.seed), client.cid, 11))
         shape = tuple(client.x.shape[1:])
-        return cpu_state(self.build(build_model(self.cfg.model, shape, self.num_classes)))
+        return cpu_state(self.build(model_from(self.cfg, shape, self.num_classes)))
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         net, glob, prev = self._nets(client)

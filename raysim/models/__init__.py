@@ -34,7 +34,8 @@ def mclr(input_shape: tuple, num_classes: int) -> EncoderHead:
 
 @MODELS.register("mlp")
 def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200)) -> EncoderHead:
-    """Two hidden ReLU layers of 200 (McMahan et al.'s MNIST 2NN)."""
+    """ReLU layers of `hidden` sizes: by default two of 200 (McMahan et al.'s MNIST 2NN);
+    `model_options.hidden=[128]` is FedGroup's MLP (101,770 parameters on MNIST)."""
     layers: list[nn.Module] = [nn.Flatten()]
     d = _flat_dim(input_shape)
     for h in hidden:
@@ -132,5 +133,21 @@ def resnet8(input_shape: tuple, num_classes: int) -> EncoderHead:
     return EncoderHead(enc, 64, num_classes)
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int) -> EncoderHead:
-    return MODELS.get(name)(tuple(input_shape), int(num_classes))
+def build_model(name: str, input_shape: tuple, num_classes: int, options=None) -> EncoderHead:
+    """Model `name` for inputs of `input_shape`; `options`: the factory's own keyword
+    arguments (config `model_options`, e.g. mlp's `hidden`)."""
+    kwargs = {k: (tuple(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v)
+              for k, v in dict(options or {}).items()}
+    return MODELS.get(name)(tuple(input_shape), int(num_classes), **kwargs)
+
+
+def model_from(cfg, input_shape: tuple, num_classes: int) -> EncoderHead:
+    """The run's model: `cfg.model` with `cfg.model_options`."""
+    return build_model(cfg.model, input_shape, num_classes, cfg.model_options)
+
+
+def model_option_names(name: str) -> list[str]:
+    """The options model `name` takes (its factory's arguments after shape and classes)."""
+    import inspect
+
+    return list(inspect.signature(MODELS.get(name)).parameters)[2:]

@@ -34,7 +34,7 @@ from raysim.config import ConfigError, clients_per_round, resolve, run_record, t
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
 from raysim.experiment import describe, prepare, run_dir_for
-from raysim.models import build_model
+from raysim.models import model_from
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint, placement, pool
@@ -141,7 +141,7 @@ class FederatedServer:
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:
         torch.manual_seed(int(self.cfg.seed))
-        return build_model(self.cfg.model, self.input_shape, self.num_classes)
+        return model_from(self.cfg, self.input_shape, self.num_classes)
 
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
