@@ -150,6 +150,10 @@ class FederatedServer:
         t0 = time.perf_counter()
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
+        absent = sorted(set(self._selected) - set(self.selection.available))
+        if absent:
+            raise RuntimeError(f"selection {self.cfg.selection!r} chose clients {absent[:5]} that are not there in round "
+                               f"{rnd} (clients.join); a strategy draws from Selection.available")
         self._timing["select"] += time.perf_counter() - t0
         return self._selected
 
