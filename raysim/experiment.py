@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from raysim.config import ConfigError, augmentation_name, clients_per_round
 from raysim.data.datasets import FederatedData, load_dataset, num_classes
@@ -26,7 +26,7 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                           f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
     part = make_partition(data.y_train, cfg, n_classes, data.users_train)
-    problem = _misfit(cfg.model, data.input_shape, n_classes, cfg.model_options)
+    problem = _misfit(cfg.model, data.input_shape, n_classes, OmegaConf.to_container(cfg.model_options))
     if problem is not None:
         from raysim.registry import MODELS
 

@@ -19,6 +19,7 @@ import time
 from typing import Callable, Optional
 
 from raysim.config import ConfigError, describe_layers, read_layers, resolve
+from raysim.errors import RunDiverged
 
 Say = Callable[[str], None]
 
@@ -199,7 +200,7 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
         known = e.cause if isinstance(e.cause, Exception) and _is_ours(e.cause) else None
         # the processes are fit for another run after a clean stop: the data checks refused
         # the run (nothing started), or it diverged (its summary says where)
-        keep = known is not None and (run_dir is None or type(known).__name__ == "RunDiverged")
+        keep = known is not None and (run_dir is None or isinstance(known, RunDiverged))
         if known is not None:
             raise known from None  # ConfigError, RunDiverged: their message is the whole story
         raise RunFailed(failure_message(e, run_dir)) from None
@@ -221,8 +222,6 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
 
 
 def _is_ours(e: BaseException) -> bool:
-    from raysim.errors import RunDiverged
-
     return isinstance(e, (ConfigError, RunDiverged))
 
 

@@ -136,14 +136,14 @@ def resnet8(input_shape: tuple, num_classes: int) -> EncoderHead:
 def build_model(name: str, input_shape: tuple, num_classes: int, options=None) -> EncoderHead:
     """Model `name` for inputs of `input_shape`; `options`: the factory's own keyword
     arguments (config `model_options`, e.g. mlp's `hidden`)."""
-    kwargs = {k: (tuple(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v)
-              for k, v in dict(options or {}).items()}
-    return MODELS.get(name)(tuple(input_shape), int(num_classes), **kwargs)
+    return MODELS.get(name)(tuple(input_shape), int(num_classes), **(options or {}))
 
 
 def model_from(cfg, input_shape: tuple, num_classes: int) -> EncoderHead:
     """The run's model: `cfg.model` with `cfg.model_options`."""
-    return build_model(cfg.model, input_shape, num_classes, cfg.model_options)
+    from omegaconf import OmegaConf
+
+    return build_model(cfg.model, input_shape, num_classes, OmegaConf.to_container(cfg.model_options))
 
 
 def model_option_names(name: str) -> list[str]:

@@ -28,6 +28,9 @@ class Availability:
         """The clients there in round `rnd`, sorted."""
         return np.flatnonzero(self.joins <= rnd).tolist()
 
+    def there(self, cid: int, rnd: int) -> bool:
+        return bool(self.joins[cid] <= rnd)
+
     def joining(self, rnd: int) -> list[int]:
         """The newcomers that arrive in round `rnd` (none in round 1: everyone there is)."""
         return np.flatnonzero(self.joins == rnd).tolist() if rnd > 1 else []

@@ -27,8 +27,7 @@ class LocalTests:
         sizes = np.array([len(ix) for ix in test_index], dtype=np.int64)
         self.sizes = sizes
         self.cids = [int(c) for c in np.flatnonzero(sizes)]  # clients with a local test sample
-        index = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in test_index]) if len(test_index) else \
-            np.zeros(0, np.int64)
+        index = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in test_index])
         self.owner = np.repeat(np.arange(len(test_index)), sizes)
         self.x = torch.from_numpy(np.ascontiguousarray(x[index]))
         self.y = torch.from_numpy(np.ascontiguousarray(y[index]))

@@ -150,7 +150,7 @@ class FederatedServer:
         t0 = time.perf_counter()
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
-        absent = sorted(set(self._selected) - set(self.selection.available))
+        absent = [c for c in self._selected if not self.availability.there(c, rnd)]
         if absent:
             raise RuntimeError(f"selection {self.cfg.selection!r} chose clients {absent[:5]} that are not there in round "
                                f"{rnd} (clients.join); a strategy draws from Selection.available")
@@ -292,7 +292,7 @@ class FederatedServer:
         self._selected = None
         self._timing = dict.fromkeys(self._timing, 0.0)
         bytes_before = list(self._bytes)
-        self.selection.available = self.availability.available(rnd)
+        self.selection.available = there = self.availability.available(rnd)
         joining = self.availability.joining(rnd)
         if joining:
             for c in joining:
@@ -312,8 +312,7 @@ class FederatedServer:
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
             if self.local_tests is not None:
-                there = set(self.availability.available(rnd))
-                cids = [c for c in self.local_tests.cids if c in there]
+                cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
         row.update(extra)
@@ -328,7 +327,7 @@ class FederatedServer:
         row.update({
             "clients": len(calls),
             "dropped": len(calls) - len(ok),
-            "available": len(self.availability.available(rnd)),
+            "available": len(there),
             "bytes_down": self._bytes[0],  # cumulative, from the start of the run
             "bytes_up": self._bytes[1],
             "round_bytes_down": self._bytes[0] - bytes_before[0],  # this round's (setup's only in the totals)
@@ -373,6 +372,7 @@ class FederatedServer:
                             self.first_round_seconds or 0.0)
         self.writer.finish({**summary, "status": "diverged", "diverged_round": rnd, "reason": msg,
                             "run_dir": str(self.writer.dir)}, None)
+        self._release_actors()  # a clean stop: they can serve the next run
         raise RunDiverged(msg)
 
     # ------------------------------------------------------------------ checkpoints
@@ -427,7 +427,8 @@ class FederatedServer:
         if self.cfg.ray.reuse_workers:
             pool.keep_client_actors(self.actor_key, self.actors)
             self.actors = []
-        self.stop_actors()
+        else:
+            self.stop_actors()
 
     def stop_actors(self) -> None:
         for a in getattr(self, "actors", []):
