@@ -76,6 +76,8 @@ class Server(Protocol):
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]: ...
 
+    def available_clients(self, rnd: int) -> list[int]: ...  # the clients there in round rnd (clients.join)
+
     def run_clients(self, rnd: int, cids: list[int], payload: Any, method: str = "client_update",
                     on: str = "algorithm") -> Iterator[ClientResult]: ...
 

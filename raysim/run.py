@@ -111,9 +111,14 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         if started:
             ray.shutdown()  # the local Ray we started, its agents included
         signal.signal(signal.SIGTERM, previous)
-    acc = summary.get("final_accuracy")
-    print(f"final accuracy {acc:.4f}, best {summary['best_accuracy']:.4f}, "
-          f"{summary['wall_seconds']:.1f} s" if acc is not None else "no evaluation ran")
+    acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
+    if acc is None:
+        print("no evaluation ran")
+    else:  # with local test splits, the clients' own accuracy too (clustered FL's headline number)
+        on_clients = (f"; on the clients' test data {local:.4f}, best {summary['best_local_accuracy']:.4f}"
+                      if local is not None else "")
+        print(f"final accuracy {acc:.4f}, best {summary['best_accuracy']:.4f}{on_clients}, "
+              f"{summary['wall_seconds']:.1f} s")
     print(f"results: {summary['run_dir']}")
     return 0
 

@@ -46,7 +46,9 @@ def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_pa
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["rounds"] == 3 and s["status"] == "finished"
     if not name.startswith("fedconcat"):  # its 1 classifier round of 3 steps is not meant to learn yet
-        assert s["final_accuracy"] > 0.13, s  # above chance (0.1); runs are deterministic, so not flaky
+        # above chance (0.1); runs are deterministic, so not flaky. Clustered FL (a model per
+        # group) is judged on the clients' own test data: its global test set has no group.
+        assert s.get("final_local_accuracy", s["final_accuracy"]) > 0.13, s
 
 
 # ---------------------------------------------------------------- config groups (3) and sections (2)

@@ -146,6 +146,9 @@ class FederatedServer:
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
 
+    def available_clients(self, rnd: int) -> list[int]:
+        return self.availability.available(rnd)
+
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]:
         t0 = time.perf_counter()
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))

@@ -1,0 +1,186 @@
+"""Clustered FL: m group models instead of one global model (FedGroup, IFCA, FeSEM).
+
+What the three share, built on FedAvg's client half:
+
+- `GroupModels`: the server keeps m group models, each client's group (`group_of`, -1 until
+  the client is placed), and the "auxiliary" global model = the plain mean of the group
+  models (FedGroup's line 11; FlexCFL's `update_auxiliary_global_model`). One round of
+  group training (`train_groups`): every group runs FedAvg over its members of the cohort,
+  all groups' tasks out before any result is read; a group with no member in the cohort
+  keeps its model. Per round it records the group sizes, how many clients are placed and
+  the discrepancy (mean ||w_i - w_group|| over the round's clients, after aggregation).
+  Evaluation: the auxiliary model on the global test set ("accuracy") and each group model
+  (`group<g>_accuracy`); on the clients' local test splits (`partition.test_fraction > 0`)
+  each client is served by its group's model, a client not placed yet by the auxiliary
+  model (the model a newcomer would get), so every client there is evaluated every round.
+  The group of every client is server state: in `state_dict`, so checkpoints keep it.
+- `ClientPicksGroup`: IFCA and FeSEM, where the client chooses: every selected client
+  receives all m models, picks one by the subclass's rule (`pick`), trains it and reports
+  which; the server averages each model over the clients that picked it.
+
+Reference: morningD/FlexCFL (flearn/trainer/groupbase.py, group.py), FedGroup's authors'
+code, which the FedGroup paper's experiments (IFCA and FeSEM included) come from.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from raysim.algorithm import Client, ClientResult, Server
+from raysim.algorithms.fedavg import FedAvg
+from raysim.config import ConfigError
+from raysim.models import model_from
+from raysim.training import WeightedMean, cpu_state, parameter_names, seed_for
+
+
+@dataclass
+class GroupsConfig:
+    groups: int = 3  # m: the number of group models
+
+
+def flat(state: dict, names) -> torch.Tensor:
+    """The named entries of a state dict as one float64 vector (a model's "flattened update")."""
+    return torch.cat([state[n].detach().reshape(-1).double() for n in names])
+
+
+class GroupModels(FedAvg):
+    """m group models, each trained by FedAvg over its members (module docstring)."""
+
+    Config = GroupsConfig
+
+    @property
+    def opts(self):
+        return self.cfg[getattr(type(self), "config_section", None) or self.cfg.algorithm]
+
+    @classmethod
+    def check_groups(cls, cfg, section: str) -> None:
+        m = cfg[section].groups
+        if not 1 <= m <= cfg.num_clients:
+            raise ConfigError(f"{section}.groups must be in [1, num_clients={cfg.num_clients}], got {m}")
+
+    # ------------------------------------------------------------------ server
+    def setup(self, server: Server) -> None:
+        self.num_clients = server.num_clients
+        self.group_of = np.full(server.num_clients, -1, dtype=np.int64)
+        self.w0 = server.new_model()
+        self.names = sorted(parameter_names(self.w0))  # trainable parameters: what "a model" is in distances
+        self.models = self.initial_models(server)
+        self.aux = copy.deepcopy(self.w0)
+        self.refresh_aux()
+
+    def initial_models(self, server: Server) -> list[torch.nn.Module]:
+        """The m group models before round 1. Default: m independent random initialisations
+        (IFCA and FeSEM; FlexCFL seeds group g with (g + seed) * 888); FedGroup clusters."""
+        models = []
+        for g in range(int(self.opts.groups)):
+            torch.manual_seed(seed_for(int(self.cfg.seed), 888, g))
+            models.append(model_from(self.cfg, self.input_shape, self.num_classes))
+        return models
+
+    def refresh_aux(self) -> None:
+        """The auxiliary global model: the plain (unweighted) mean of the group models."""
+        mean = WeightedMean()
+        for m in self.models:
+            mean.add(m.state_dict(), 1.0)
+        self.aux.load_state_dict(mean.result(self.aux.state_dict()))
+
+    def train_groups(self, rnd: int, server: Server, cohort: list[int]) -> dict:
+        """FedAvg inside every group over its members of `cohort` (all placed)."""
+        calls = []
+        for g, model in enumerate(self.models):
+            members = [c for c in cohort if self.group_of[c] == g]
+            if members:
+                calls.append((g, server.run_clients(rnd, members, self.group_payload(g))))
+        folded = self.fold(calls)
+        self.mix_groups(sorted(folded))
+        return self.after_round(folded)
+
+    def mix_groups(self, trained: list[int]) -> None:
+        """After the groups' FedAvg, before the metrics: FedGroup's inter-group aggregation."""
+
+    def group_payload(self, g: int) -> dict:
+        return {"weights": cpu_state(self.models[g])}
+
+    def fold(self, calls: list[tuple[int, Iterator[ClientResult]]]) -> dict[int, list]:
+        """Average each group's results into its model; returns {group: [(cid, n, flat weights)]}
+        for the round's metrics."""
+        folded: dict[int, list] = {}
+        self._loss, self._n = 0.0, 0.0
+        for g, results in calls:
+            mean, kept = WeightedMean(), []
+            for r in results:
+                mean.add(r.update, r.num_samples)
+                kept.append((r.cid, r.num_samples, flat(r.update, self.names)))
+                self._loss += r.metrics["loss"] * r.num_samples
+            new = mean.result(self.models[g].state_dict())
+            if new is not None:  # every member dropped out: the group keeps its model
+                self.models[g].load_state_dict(new)
+                self._n += mean.total
+                folded[g] = kept
+        return folded
+
+    def after_round(self, folded: dict[int, list]) -> dict:
+        """The round's metrics; then the auxiliary model follows the groups."""
+        gaps = [float(torch.linalg.vector_norm(w - flat(self.models[g].state_dict(), self.names)))
+                for g, kept in folded.items() for _, _, w in kept]
+        self.refresh_aux()
+        out = {"groups_trained": len(folded), "placed": int((self.group_of >= 0).sum()),
+               "group_sizes": np.bincount(self.group_of[self.group_of >= 0],
+                                          minlength=len(self.models)).tolist()}
+        if gaps:
+            out["discrepancy"] = float(np.mean(gaps))
+        if self._n:
+            out["train_loss"] = self._loss / self._n
+        return out
+
+    def eval_models(self) -> dict:
+        return {"global": self.aux, **{f"group{g}": m for g, m in enumerate(self.models)}}
+
+    def serving(self, cids: list[int]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for c in cids:
+            g = int(self.group_of[c])
+            out.setdefault(f"group{g}" if g >= 0 else "global", []).append(c)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"groups": [m.state_dict() for m in self.models], "group_of": torch.as_tensor(self.group_of)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for m, s in zip(self.models, state["groups"]):
+            m.load_state_dict(s)
+        self.group_of = state["group_of"].numpy().copy()
+        self.refresh_aux()
+
+
+class ClientPicksGroup(GroupModels):
+    """IFCA and FeSEM: the selected clients receive all m models and each picks one (`pick`)."""
+
+    def run_round(self, rnd: int, server: Server) -> dict:
+        cohort = server.select_clients(rnd)
+        payload = {"models": [cpu_state(m) for m in self.models], **self.extra_payload(cohort)}
+        picked: dict[int, list] = {}
+        results = list(server.run_clients(rnd, cohort, payload))
+        for r in results:
+            g = int(r.metrics["group"])
+            self.group_of[r.cid] = g
+            picked.setdefault(g, []).append(r)
+        folded = self.fold([(g, iter(rs)) for g, rs in sorted(picked.items())])
+        return self.after_round(folded)
+
+    def extra_payload(self, cohort: list[int]) -> dict:
+        return {}
+
+    # ---- client ----
+    def pick(self, client: Client, models: list[dict], payload: dict) -> int:
+        raise NotImplementedError
+
+    def client_update(self, client: Client, payload: Any) -> ClientResult:
+        g = self.pick(client, payload["models"], payload)
+        result = super().client_update(client, {"weights": payload["models"][g]})
+        result.metrics["group"] = g
+        return result
