@@ -49,11 +49,11 @@ def augmentation_name(value) -> str:
 
 @dataclass
 class PartitionConfig:
-    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | natural
+    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | classes_power_law | natural
     beta: float = 0.5  # Dirichlet concentration (dirichlet: over labels, quantity: over sizes)
-    k: int = 2  # classes: labels per client (#C=k)
+    k: int = 2  # classes, classes_power_law: labels per client (#C=k)
     shards_per_client: int = 2  # shards: label-sorted shards per client
-    sigma: float = 2.0  # power_law: sigma of the log-normal client sizes
+    sigma: float = 2.0  # power_law, classes_power_law: sigma of the log-normal client sizes
     min_size: int = 10  # fewest training samples a client may hold (NIID-Bench's rule for dirichlet / quantity)
     max_draws: int = 100  # dirichlet / quantity: redraws before the best draw is topped up to min_size
     test_fraction: float = 0.0  # share of each client's samples kept as its local test set

@@ -52,6 +52,7 @@ def describe(cfg: DictConfig, num_clients: int) -> str:
     experiment from plain synchronous rounds (selection, system heterogeneity, faults)."""
     p = cfg.partition
     part = {"dirichlet": f"dirichlet beta={p.beta}", "quantity": f"quantity beta={p.beta}", "classes": f"classes k={p.k}",
+            "classes_power_law": f"classes_power_law k={p.k} sigma={p.sigma}",
             "shards": f"shards {p.shards_per_client} per client", "power_law": f"power_law sigma={p.sigma}"}.get(p.name, p.name)
     parts = [f"{cfg.algorithm} with {cfg.selection} selection, model {cfg.model} on {cfg.dataset} ({part}), "
              f"{num_clients} clients, {clients_per_round(cfg)} per round, {cfg.rounds} rounds, seed {cfg.seed}"]

@@ -14,7 +14,19 @@ def part(**kw):
     return make_partition(Y, load_config(overrides=overrides), 10)
 
 
-@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes"])
+def test_fedprox_mnist_recipe_gives_k_consecutive_labels_and_heavy_tailed_sizes():
+    """classes_power_law: client i holds labels i, i+1 (mod 10), min_size samples at least."""
+    p = part(**{"partition": "classes_power_law", "partition.k": 2, "num_clients": 100})
+    counts = label_counts(Y, p, 10)
+    assert ((counts > 0).sum(1) == 2).all()
+    assert all(counts[i, i % 10] > 0 and counts[i, (i + 1) % 10] > 0 for i in range(100))
+    sizes = p.sizes()
+    assert sizes.min() >= 10 and sizes.max() > 5 * np.median(sizes)  # log-normal(0, 2) shares: a heavy tail
+    with pytest.raises(ConfigError, match="label 0 has .* fewer than 600 clients x 5"):
+        part(**{"partition": "classes_power_law", "num_clients": 3000})
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes", "classes_power_law"])
 def test_every_sample_exactly_once(name):
     p = part(partition=name, num_clients=30)
     allidx = np.concatenate(p.train)
@@ -31,7 +43,7 @@ def test_classes_gives_exactly_k_labels(k):
     assert ((counts > 0).sum(1) == k).all()
 
 
-@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes"])
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes", "classes_power_law"])
 def test_reproducible_from_seed(name):
     a, b = part(partition=name, seed=3), part(partition=name, seed=3)
     c = part(partition=name, seed=4)

@@ -110,12 +110,12 @@ def dirichlet(y, n, p, rng, num_classes, users=None):
             counts = np.diff(np.concatenate([[0], cuts, [len(ids)]]))
             owner[ids] = np.repeat(np.arange(n), counts)
             sizes += counts
-        return _split_by_owner(owner, n)
+        return split_by_owner(owner, n)
 
     return _redraw(draw, p, "dirichlet", n, len(y), rng)
 
 
-def _split_by_owner(owner: np.ndarray, n: int) -> list[np.ndarray]:
+def split_by_owner(owner: np.ndarray, n: int) -> list[np.ndarray]:
     """Sorted index arrays of the samples each client owns (owner[i] = client of sample i)."""
     order = np.argsort(owner, kind="stable")
     return np.split(order, np.cumsum(np.bincount(owner, minlength=n))[:-1])
@@ -170,8 +170,8 @@ def quantity(y, n, p, rng, num_classes, users=None):
 @PARTITIONS.register("power_law")
 def power_law(y, n, p, rng, num_classes, users=None):
     """Heavy-tailed sizes with IID labels: client sizes ~ log-normal(0, sigma), each client
-    guaranteed min_size samples. Not FedProx's MNIST recipe (each client 2 digits, power-law
-    sizes), which also skews the labels; that one is still to be added (issue 12)."""
+    guaranteed min_size samples. FedProx's MNIST recipe, which also skews the labels (each
+    client 2 digits), is `classes_power_law`."""
     extra = len(y) - n * p.min_size
     if extra < 0:
         raise ConfigError(f"partition 'power_law': {n} clients x partition.min_size={p.min_size} exceeds the {len(y)} samples")
@@ -180,6 +180,34 @@ def power_law(y, n, p, rng, num_classes, users=None):
     sizes[np.argmax(w)] += len(y) - sizes.sum()
     perm = rng.permutation(len(y))
     return [np.sort(part) for part in np.split(perm, np.cumsum(sizes)[:-1])]  # exact sizes, no float cuts
+
+
+@PARTITIONS.register("classes_power_law")
+def classes_power_law(y, n, p, rng, num_classes, users=None):
+    """FedProx's MNIST recipe (Li et al. 2020, data/mnist/generate_niid.py; the FedGroup
+    paper's MNIST): client i holds the k consecutive labels i, i+1, ..., i+k-1 (mod C), each
+    of its (client, label) slots first gets ceil(min_size / k) samples, then a log-normal(0,
+    sigma) share of what is left of that label: heavy-tailed sizes and exactly k labels."""
+    if p.k > num_classes:
+        raise ConfigError(f"partition.k={p.k} is more than the dataset's {num_classes} classes; allowed: 1..{num_classes}")
+    base = -(-int(p.min_size) // int(p.k))
+    idx = [[] for _ in range(n)]
+    for c in range(num_classes):
+        holders = [i for i in range(n) for j in range(p.k) if (i + j) % num_classes == c]
+        if not holders:
+            continue
+        pool = rng.permutation(np.flatnonzero(y == c))
+        left = len(pool) - base * len(holders)
+        if left < 0:
+            raise ConfigError(f"partition 'classes_power_law': label {c} has {len(pool)} samples, fewer than "
+                              f"{len(holders)} clients x {base} (partition.min_size={p.min_size} over k={p.k} labels); "
+                              "use fewer clients or a smaller partition.min_size")
+        w = rng.lognormal(0, p.sigma, len(holders))
+        extra = np.floor(w / w.sum() * left).astype(int)
+        extra[np.argmax(w)] += left - extra.sum()
+        for i, part in zip(holders, np.split(pool, np.cumsum(base + extra)[:-1])):
+            idx[i].extend(part.tolist())
+    return [np.sort(np.asarray(i, dtype=np.int64)) for i in idx]
 
 
 @PARTITIONS.register("natural")
@@ -191,7 +219,7 @@ def natural(y, n, p, rng, num_classes, users=None):
     n_users = int(users.max()) + 1
     if n != n_users:
         raise ConfigError(f"partition 'natural': the dataset has {n_users} users but num_clients={n}")
-    return _split_by_owner(users, n)
+    return split_by_owner(users, n)
 
 
 def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Optional[np.ndarray] = None) -> Partition:

@@ -40,7 +40,7 @@ from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint, placement, pool
 from raysim.runtime.observe import RayMetrics
 from raysim.runtime.availability import Availability
-from raysim.runtime.local_eval import local_tests
+from raysim.runtime.local_eval import clients_test_data
 from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import evaluate, nbytes
@@ -79,7 +79,7 @@ class FederatedServer:
                             [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
                             num_classes, data.norm)
         self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
-        self.local_tests = local_tests(data.x_train, data.y_train, part.test)  # None without partition.test_fraction
+        self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
