@@ -25,7 +25,8 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         raise ConfigError(f"local.augment=crop_flip needs images larger than 4x4; dataset {cfg.dataset!r} has "
                           f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
-    part = make_partition(data.y_train, cfg, n_classes, data.users_train)
+    own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
+    part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
     problem = _misfit(cfg.model, data.input_shape, n_classes, OmegaConf.to_container(cfg.model_options))
     if problem is not None:
         from raysim.registry import MODELS

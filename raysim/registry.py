@@ -51,6 +51,7 @@ SELECTIONS = Registry("selection")
 # name here (or imports itself before the run starts).
 PLUGIN_MODULES = [
     "raysim.data.datasets",
+    "raysim.data.leaf",
     "raysim.data.partition",
     "raysim.models",
     "raysim.algorithms",

@@ -214,7 +214,7 @@ def classes_power_law(y, n, p, rng, num_classes, users=None):
 def natural(y, n, p, rng, num_classes, users=None):
     """The dataset's own users (e.g. FedProx Synthetic's), one per client."""
     if users is None:
-        raise ConfigError("partition 'natural' needs a dataset with natural users (synthetic); "
+        raise ConfigError("partition 'natural' needs a dataset with natural users (synthetic, femnist, sent140); "
                           "choose another partition for this dataset")
     n_users = int(users.max()) + 1
     if n != n_users:
@@ -222,22 +222,28 @@ def natural(y, n, p, rng, num_classes, users=None):
     return split_by_owner(users, n)
 
 
-def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Optional[np.ndarray] = None) -> Partition:
-    """Partition `y` per `cfg.partition`, seeded by `cfg.seed`, and check every client has data."""
+def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Optional[np.ndarray] = None,
+                   own_test: bool = False) -> Partition:
+    """Partition `y` per `cfg.partition`, seeded by `cfg.seed`, and check every client has data.
+    `own_test`: the clients have test data of their own already (natural users with their own
+    test samples, runtime/local_eval.py), so `partition.test_fraction` carves nothing."""
     p, n = cfg.partition, int(cfg.num_clients)
     if n > len(y):
         raise ConfigError(f"num_clients={n} is more than the {len(y)} training samples of dataset {cfg.dataset!r}")
     rng = np.random.default_rng([int(cfg.seed), 1])
     parts = PARTITIONS.get(p.name)(y, n, p, rng, num_classes, users)
     sizes = [len(ix) for ix in parts]
-    small = [i for i, s in enumerate(sizes) if s < p.min_size]
+    # the dataset's own users are what they are (a LEAF user may hold 5 samples): never empty
+    floor = 1 if p.name == "natural" else int(p.min_size)
+    small = [i for i, s in enumerate(sizes) if s < floor]
     if small:
+        rule = "no samples" if p.name == "natural" else f"below partition.min_size={p.min_size}"
         raise ConfigError(
             f"partition {p.name!r} leaves client {small[0]} with {sizes[small[0]]} samples "
-            f"({len(small)} clients below partition.min_size={p.min_size}); use fewer clients or other partition settings"
+            f"({len(small)} clients {rule}); use fewer clients or other partition settings"
         )
     test = None
-    if p.test_fraction > 0:
+    if p.test_fraction > 0 and not own_test:
         train, test = [], []
         for ix in parts:
             ix = rng.permutation(ix)

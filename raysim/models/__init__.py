@@ -133,6 +133,37 @@ def resnet8(input_shape: tuple, num_classes: int) -> EncoderHead:
     return EncoderHead(enc, 64, num_classes)
 
 
+class _LastHidden(nn.Module):
+    """Token ids (N, L) or word vectors (N, L, D) -> the last LSTM step's hidden state."""
+
+    def __init__(self, embed: nn.Module | None, input_dim: int, hidden: int, layers: int):
+        super().__init__()
+        self.embed = embed
+        self.lstm = nn.LSTM(input_dim, hidden, num_layers=layers, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x.long())
+        out, _ = self.lstm(x)
+        return out[:, -1]
+
+
+@MODELS.register("lstm")
+def lstm(input_shape: tuple, num_classes: int, vocab_size: int = 10002, embed_dim: int = 100, hidden: int = 100,
+         layers: int = 2) -> EncoderHead:
+    """LEAF's Sent140 classifier (the FedGroup paper's LSTM): a `layers`-deep LSTM of `hidden`
+    units over the words of a sequence, its last step into the linear head. Inputs (L,):
+    token ids (0 padding, 1 unknown), embedded by a trained table of `vocab_size` x
+    `embed_dim`; inputs (L, D): word vectors already (frozen pre-trained embeddings, e.g.
+    GloVe through `sent140.embeddings`, as LEAF's model keeps them), no table."""
+    embed = None
+    if len(input_shape) == 1:
+        embed, dim = nn.Embedding(vocab_size, embed_dim, padding_idx=0), embed_dim
+    else:
+        dim = int(input_shape[-1])
+    return EncoderHead(_LastHidden(embed, dim, hidden, layers), hidden, num_classes)
+
+
 def build_model(name: str, input_shape: tuple, num_classes: int, options=None) -> EncoderHead:
     """Model `name` for inputs of `input_shape`; `options`: the factory's own keyword
     arguments (config `model_options`, e.g. mlp's `hidden`)."""

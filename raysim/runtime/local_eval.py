@@ -21,6 +21,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from raysim.data.partition import split_by_owner
+
 
 class LocalTests:
     def __init__(self, x: np.ndarray, y: np.ndarray, test_index: list, batch_size: int = 1024):
@@ -76,14 +78,13 @@ def local_tests(x: np.ndarray, y: np.ndarray, test_index: Optional[list]) -> Opt
 
 
 def clients_test_data(data, part, cfg) -> Optional[LocalTests]:
-    """Each client's own test data: the split `partition.test_fraction` carves from its
-    training samples; else, under `partition=natural` on a dataset whose users have their own
-    test samples (FedProx's Synthetic, LEAF's FEMNIST and Sent140: the per-user splits the
-    papers evaluate on), those. None when clients have no test data of their own."""
+    """Each client's own test data. Under `partition=natural` on a dataset whose users have
+    their own test samples (FedProx's Synthetic, LEAF's FEMNIST and Sent140: the per-user
+    splits the papers evaluate on), those, always (`partition.test_fraction` then carves
+    nothing: experiment.prepare); else the split `partition.test_fraction` carves from each
+    client's training samples. None when clients have no test data of their own."""
+    if cfg.partition.name == "natural" and data.users_test is not None:
+        return local_tests(data.x_test, data.y_test, split_by_owner(data.users_test, int(cfg.num_clients)))
     if part.test is not None:
         return local_tests(data.x_train, data.y_train, part.test)
-    if cfg.partition.name == "natural" and data.users_test is not None:
-        from raysim.data.partition import split_by_owner
-
-        return local_tests(data.x_test, data.y_test, split_by_owner(data.users_test, int(cfg.num_clients)))
     return None
