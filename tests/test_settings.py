@@ -51,6 +51,26 @@ def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_pa
         assert s.get("final_local_accuracy", s["final_accuracy"]) > 0.13, s
 
 
+EXPERIMENTS = sorted((Path(__file__).resolve().parent.parent / "raysim" / "configs" / "experiments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_every_shipped_experiment_config_passes_the_checks_and_its_algorithms_read_it(path, tmp_path):
+    """A paper's set-up file is valid as shipped, for its own algorithm and for every other
+    algorithm whose section it carries (one file, a row of a paper's table)."""
+    from omegaconf import OmegaConf
+
+    from raysim.config import plugin_sections
+    from raysim.launch import check
+
+    check([str(path)], [f"output_dir={tmp_path}"])
+    in_file = set(OmegaConf.load(path))
+    carried = {name for s, (key, names) in plugin_sections().items() if key == "algorithm" and s in in_file
+               for name in names}
+    for algorithm in sorted(carried):
+        check([str(path)], [f"output_dir={tmp_path}", f"algorithm={algorithm}"])
+
+
 # ---------------------------------------------------------------- config groups (3) and sections (2)
 def test_choosing_a_dataset_or_algorithm_applies_its_config_group_and_says_so(tmp_path):
     r = cli(["--print-config", "dataset=cifar10"], tmp_path)
