@@ -230,3 +230,13 @@ def test_clustered_fl_resumes_mid_run_to_the_same_models(ray_local, tmp_path, al
     assert torch.equal(a["group_of"], b["group_of"])
     for ga, gb in zip(a["groups"], b["groups"]):
         assert all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+def test_fedgroup_gives_the_same_groups_and_models_with_1_and_3_actors(ray_local, tmp_path):
+    common = ["algorithm=fedgroup", *COMMON, "rounds=3", f"output_dir={tmp_path}", "--quiet"]
+    for n in (1, 3):
+        assert main([*common, f"resources.num_actors={n}", f"run_name=a{n}"]) == 0
+    a, b = (torch.load(tmp_path / f"a{n}" / "model.pt", weights_only=True) for n in (1, 3))
+    assert torch.equal(a["group_of"], b["group_of"]) and torch.equal(a["directions"], b["directions"])
+    for ga, gb in zip(a["groups"], b["groups"]):
+        assert all(torch.equal(ga[k], gb[k]) for k in ga)
