@@ -94,47 +94,42 @@ class GroupModels(FedAvg):
         for g, model in enumerate(self.models):
             members = [c for c in cohort if self.group_of[c] == g]
             if members:
-                calls.append((g, server.run_clients(rnd, members, self.group_payload(g))))
-        folded = self.fold(calls)
+                calls.append((g, server.run_clients(rnd, members, {"weights": cpu_state(model)})))
+        folded, loss = self.fold(calls)
         self.mix_groups(sorted(folded))
-        return self.after_round(folded)
+        return self.after_round(folded, loss)
 
     def mix_groups(self, trained: list[int]) -> None:
         """After the groups' FedAvg, before the metrics: FedGroup's inter-group aggregation."""
 
-    def group_payload(self, g: int) -> dict:
-        return {"weights": cpu_state(self.models[g])}
-
-    def fold(self, calls: list[tuple[int, Iterator[ClientResult]]]) -> dict[int, list]:
-        """Average each group's results into its model; returns {group: [(cid, n, flat weights)]}
-        for the round's metrics."""
+    def fold(self, calls: list[tuple[int, Iterator[ClientResult]]]) -> tuple[dict[int, list], float]:
+        """Average each group's results into its model (sample-weighted). Returns each trained
+        group's clients' flattened models (for the discrepancy) and the mean training loss."""
         folded: dict[int, list] = {}
-        self._loss, self._n = 0.0, 0.0
+        loss, n = 0.0, 0.0
         for g, results in calls:
-            mean, kept = WeightedMean(), []
+            mean, models = WeightedMean(), []
             for r in results:
                 mean.add(r.update, r.num_samples)
-                kept.append((r.cid, r.num_samples, flat(r.update, self.names)))
-                self._loss += r.metrics["loss"] * r.num_samples
+                models.append(flat(r.update, self.names))
+                loss += r.metrics["loss"] * r.num_samples
             new = mean.result(self.models[g].state_dict())
             if new is not None:  # every member dropped out: the group keeps its model
                 self.models[g].load_state_dict(new)
-                self._n += mean.total
-                folded[g] = kept
-        return folded
+                n += mean.total
+                folded[g] = models
+        return folded, (loss / n if n else float("nan"))
 
-    def after_round(self, folded: dict[int, list]) -> dict:
+    def after_round(self, folded: dict[int, list], loss: float) -> dict:
         """The round's metrics; then the auxiliary model follows the groups."""
         gaps = [float(torch.linalg.vector_norm(w - flat(self.models[g].state_dict(), self.names)))
-                for g, kept in folded.items() for _, _, w in kept]
+                for g, models in folded.items() for w in models]
         self.refresh_aux()
-        out = {"groups_trained": len(folded), "placed": int((self.group_of >= 0).sum()),
-               "group_sizes": np.bincount(self.group_of[self.group_of >= 0],
-                                          minlength=len(self.models)).tolist()}
-        if gaps:
-            out["discrepancy"] = float(np.mean(gaps))
-        if self._n:
-            out["train_loss"] = self._loss / self._n
+        placed = self.group_of[self.group_of >= 0]
+        out = {"groups_trained": len(folded), "placed": len(placed),
+               "group_sizes": np.bincount(placed, minlength=len(self.models)).tolist()}
+        if folded:
+            out.update(discrepancy=float(np.mean(gaps)), train_loss=loss)
         return out
 
     def eval_models(self) -> dict:
@@ -163,14 +158,13 @@ class ClientPicksGroup(GroupModels):
     def run_round(self, rnd: int, server: Server) -> dict:
         cohort = server.select_clients(rnd)
         payload = {"models": [cpu_state(m) for m in self.models], **self.extra_payload(cohort)}
-        picked: dict[int, list] = {}
-        results = list(server.run_clients(rnd, cohort, payload))
-        for r in results:
+        picked: dict[int, list] = {}  # the round's results by the model picked: O(cohort) models held
+        for r in server.run_clients(rnd, cohort, payload):
             g = int(r.metrics["group"])
             self.group_of[r.cid] = g
             picked.setdefault(g, []).append(r)
-        folded = self.fold([(g, iter(rs)) for g, rs in sorted(picked.items())])
-        return self.after_round(folded)
+        folded, loss = self.fold([(g, iter(rs)) for g, rs in sorted(picked.items())])
+        return self.after_round(folded, loss)
 
     def extra_payload(self, cohort: list[int]) -> dict:
         return {}

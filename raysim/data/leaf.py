@@ -90,6 +90,8 @@ def _stack(users: list[str], split: dict, convert) -> tuple[np.ndarray, np.ndarr
 
 @DATASETS.register("femnist")
 class FEMNIST:
+    """Handwritten digits and letters (62 classes), a client per writer (module docstring)."""
+
     num_classes = 62
 
     @staticmethod
@@ -150,6 +152,8 @@ def read_vectors(path: Path, words: set) -> tuple[dict[str, np.ndarray], int]:
 
 @DATASETS.register("sent140")
 class Sent140:
+    """Sentiment140 tweets, a client per user, labels 0 / 1 (module docstring)."""
+
     Config = Sent140Config
     num_classes = 2
 
