@@ -60,6 +60,19 @@ class PartitionConfig:
 
 
 @dataclass
+class LongTailConfig:
+    imbalance: float = 1.0  # IF: the training set keeps n_max * IF^(-c/(C-1)) of class c (1: as it is)
+
+
+@dataclass
+class EvalConfig:
+    # many / medium / few-shot class groups by training samples (after long_tail): a class
+    # with more than shots[0] samples is many-shot, fewer than shots[1] few-shot (CReFF's
+    # CIFAR-10-LT: > 1500, < 200)
+    shots: List[int] = field(default_factory=lambda: [1500, 200])
+
+
+@dataclass
 class LocalConfig:
     epochs: int = 1
     steps: int = 0  # > 0: this many SGD steps instead of `epochs` epochs
@@ -138,6 +151,8 @@ class Config:
     model: str = "mlp"
     model_options: Dict[str, Any] = field(default_factory=dict)  # the model's own arguments, e.g. mlp's hidden
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     num_clients: int = 20
     clients_per_round: Optional[int] = None  # overrides participation when set
     participation: float = 0.5
@@ -524,6 +539,11 @@ def validate(cfg: DictConfig) -> None:
     need(p.min_size >= 1, f"partition.min_size must be >= 1, got {p.min_size}")
     need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
+    need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
+    shots = list(cfg.eval.shots)
+    need(len(shots) == 2 and shots[0] >= shots[1] >= 0,
+         f"eval.shots must be [many, few] with many >= few >= 0 (classes with more than many training samples are "
+         f"many-shot, fewer than few few-shot), got {shots}")
     loc = cfg.local
     need(loc.epochs >= 1 or loc.steps >= 1, "local.epochs or local.steps must be >= 1")
     need(loc.steps >= 0, f"local.steps must be >= 0, got {loc.steps}")

@@ -2,8 +2,11 @@
 before anything is written: the dataset, its partition, the model's fit, the run dir."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +28,13 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         raise ConfigError(f"local.augment=crop_flip needs images larger than 4x4; dataset {cfg.dataset!r} has "
                           f"inputs {data.input_shape}")
     n_classes = num_classes(cfg)
+    if cfg.long_tail.imbalance > 1:  # shape the training set before partitioning it (data/long_tail.py)
+        from raysim.data.long_tail import long_tail_index
+
+        keep = long_tail_index(data.y_train, n_classes, float(cfg.long_tail.imbalance),
+                               np.random.default_rng([int(cfg.seed), 9]))
+        data = dataclasses.replace(data, x_train=data.x_train[keep], y_train=data.y_train[keep],
+                                   users_train=None if data.users_train is None else data.users_train[keep])
     own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
     part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
     problem = _misfit(cfg.model, data.input_shape, n_classes, OmegaConf.to_container(cfg.model_options))
@@ -56,7 +66,8 @@ def describe(cfg: DictConfig, num_clients: int) -> str:
             "classes_power_law": f"classes_power_law k={p.k} sigma={p.sigma}",
             "shards": f"shards {p.shards_per_client} per client", "power_law": f"power_law sigma={p.sigma}"}.get(p.name, p.name)
     parts = [f"{cfg.algorithm} with {cfg.selection} selection, model {cfg.model} on {cfg.dataset} ({part}), "
-             f"{num_clients} clients, {clients_per_round(cfg)} per round, {cfg.rounds} rounds, seed {cfg.seed}"]
+             f"{num_clients} clients, {clients_per_round(cfg)} per round, {cfg.rounds} rounds, seed {cfg.seed}"
+             + (f", long-tailed training set IF={cfg.long_tail.imbalance:g}" if cfg.long_tail.imbalance > 1 else "")]
     sy, fa = cfg.system, cfg.faults
     system = []
     if sy.dropout > 0:

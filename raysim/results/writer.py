@@ -21,6 +21,10 @@ def summarize(rows: list[dict], wall_seconds: float, client_updates: int, first_
     std = math.sqrt(sum((a - mean) ** 2 for a in last) / len(last)) if last else float("nan")
     local = [r["local_accuracy"] for r in rows if r.get("local_accuracy") is not None]  # runtime/local_eval.py
     extra = {"final_local_accuracy": local[-1], "best_local_accuracy": max(local)} if local else {}
+    for group in ("many", "medium", "few"):  # long-tailed data: the classes by training samples
+        got = [r[f"{group}_accuracy"] for r in rows if r.get(f"{group}_accuracy") is not None]
+        if got:
+            extra[f"final_{group}_accuracy"] = got[-1]
     return {
         **extra,
         "final_accuracy": acc[-1] if acc else None,

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from raysim.algorithm import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record, to_yaml
+from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
 from raysim.experiment import describe, prepare, run_dir_for
@@ -83,6 +84,10 @@ class FederatedServer:
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.sizes = part.sizes()
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
+        # long-tailed data: accuracy on the many / medium / few-shot classes (data/long_tail.py)
+        self.shots = (shot_groups(np.bincount(data.y_train, minlength=num_classes), self.cfg.eval.shots)
+                      if self.cfg.long_tail.imbalance > 1 else None)
+        self.test_counts = np.bincount(data.y_test, minlength=num_classes)
         self.num_clients = int(self.cfg.num_clients)
         self.availability = Availability(self.cfg, self.num_clients)
         share = float(self.cfg.system.stragglers)  # a share > 0 makes at least one straggler
@@ -314,6 +319,8 @@ class FederatedServer:
                 ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
+                if i == 0 and self.shots is not None:
+                    row.update(shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots))
             if self.local_tests is not None:
                 cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))

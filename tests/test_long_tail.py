@@ -1,0 +1,51 @@
+"""Long-tailed training sets and many / medium / few-shot accuracy (issue 13)."""
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from raysim.config import ConfigError, load_config
+from raysim.data.long_tail import long_tail_index, profile, shot_accuracy, shot_groups
+from raysim.experiment import prepare
+from raysim.run import main
+
+
+def test_the_profile_has_the_requested_imbalance_factor_and_decays_exponentially():
+    n = profile(50000, 10, 100)
+    assert n[0] == 5000 and n[-1] == 50 and n[0] / n[-1] == 100  # CIFAR-10-LT, IF=100
+    ratios = n[:-1] / n[1:]
+    assert np.allclose(ratios, 100 ** (1 / 9), rtol=0.01)
+    y = np.repeat(np.arange(10), 5000)
+    kept = long_tail_index(y, 10, 100, np.random.default_rng(0))
+    assert np.bincount(y[kept]).tolist() == n.tolist()
+
+
+def test_a_long_tailed_dataset_keeps_its_test_set_balanced():
+    base, lt = (prepare(load_config(overrides=o))[0] for o in ([], ["long_tail.imbalance=10"]))
+    counts = np.bincount(lt.y_train, minlength=10)
+    assert counts[0] >= 9 * counts[-1] and (np.diff(counts) <= 0).all()
+    assert np.array_equal(lt.y_test, base.y_test) and np.array_equal(lt.x_test, base.x_test)
+    with pytest.raises(ConfigError, match="long_tail.imbalance must be >= 1"):
+        load_config(overrides=["long_tail.imbalance=0.5"])
+
+
+def test_shot_groups_and_their_accuracy_on_a_hand_made_case():
+    train = np.array([2000, 1600, 1500, 600, 200, 199, 50])
+    groups = shot_groups(train, [1500, 200])
+    assert {k: v.tolist() for k, v in groups.items()} == {"many": [0, 1], "medium": [2, 3, 4], "few": [5, 6]}
+    per_class = [1.0, 0.5, 0.9, 0.6, 0.3, 0.2, 0.0]
+    test = np.array([100, 300, 100, 100, 200, 100, 300])
+    got = shot_accuracy(per_class, test, groups)
+    assert got["many_accuracy"] == pytest.approx((100 * 1.0 + 300 * 0.5) / 400)  # correct / test samples of the group
+    assert got["medium_accuracy"] == pytest.approx((90 + 60 + 60) / 400)
+    assert got["few_accuracy"] == pytest.approx(20 / 400)
+
+
+def test_every_run_on_long_tailed_data_reports_the_shot_groups(ray_local, tmp_path):
+    assert main(["long_tail.imbalance=20", "eval.shots=[100,20]", "rounds=2", f"output_dir={tmp_path}", "run_name=lt",
+                 "--quiet"]) == 0
+    row = pq.read_table(tmp_path / "lt" / "metrics.parquet").to_pylist()[-1]
+    assert all(row[f"{g}_accuracy"] is not None for g in ("many", "medium", "few"))
+    summary = json.loads((tmp_path / "lt" / "summary.json").read_text())
+    assert summary["final_few_accuracy"] == row["few_accuracy"]
