@@ -70,6 +70,7 @@ class EvalConfig:
     # with more than shots[0] samples is many-shot, fewer than shots[1] few-shot (CReFF's
     # CIFAR-10-LT: > 1500, < 200)
     shots: List[int] = field(default_factory=lambda: [1500, 200])
+    tau_norm: float = 0.0  # > 0: evaluate every model with classifier rows w_c / ||w_c||^tau (0: off)
 
 
 @dataclass
@@ -540,6 +541,7 @@ def validate(cfg: DictConfig) -> None:
     need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
     need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
+    need(cfg.eval.tau_norm >= 0, f"eval.tau_norm must be >= 0 (0: off, 1: unit-norm classifier rows), got {cfg.eval.tau_norm}")
     shots = list(cfg.eval.shots)
     need(len(shots) == 2 and shots[0] >= shots[1] >= 0,
          f"eval.shots must be [many, few] with many >= few >= 0 (classes with more than many training samples are "

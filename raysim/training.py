@@ -21,6 +21,31 @@ def cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return F.cross_entropy(model(x), y)
 
 
+def focal_loss(gamma: float) -> LossFn:
+    """Focal loss (Lin et al. 2017): mean of -(1 - p_y)^gamma log p_y; gamma = 0 is cross-entropy.
+    Any algorithm can train with it (`local_loss`); Fed-Focal is FedAvg with it."""
+    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(model(x), dim=1).gather(1, y[:, None]).squeeze(1)
+        return (-(1 - logp.exp()) ** gamma * logp).mean()
+
+    return loss
+
+
+def tau_normalised(model: torch.nn.Module, tau: float) -> torch.nn.Module:
+    """A copy of `model` whose classifier rows are w_c / ||w_c||^tau (tau-normalisation, Kang
+    et al. 2020: balances the class weights a long tail skews; the bias is kept). tau = 1:
+    unit-norm rows; 0: the model itself."""
+    import copy
+
+    if not tau:
+        return model
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        w = out.head.weight
+        w.div_(torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=1e-12) ** tau)
+    return out
+
+
 def round_lr(local: DictConfig, rnd: int) -> float:
     return float(local.lr) * float(local.lr_decay) ** (rnd - 1)
 

@@ -49,3 +49,45 @@ def test_every_run_on_long_tailed_data_reports_the_shot_groups(ray_local, tmp_pa
     assert all(row[f"{g}_accuracy"] is not None for g in ("many", "medium", "few"))
     summary = json.loads((tmp_path / "lt" / "summary.json").read_text())
     assert summary["final_few_accuracy"] == row["few_accuracy"]
+
+
+def test_tau_norm_with_tau_1_gives_unit_norm_classifier_rows_and_leaves_the_model_alone():
+    import torch
+
+    from raysim.models import build_model
+    from raysim.training import tau_normalised
+
+    model = build_model("mlp", (1, 8, 8), 10)
+    before = model.head.weight.detach().clone()
+    normed = tau_normalised(model, 1.0)
+    assert torch.allclose(torch.linalg.vector_norm(normed.head.weight, dim=1), torch.ones(10))
+    assert torch.equal(model.head.weight, before) and torch.equal(normed.head.bias, model.head.bias)
+    half = tau_normalised(model, 0.5).head.weight
+    assert torch.allclose(half, before / torch.linalg.vector_norm(before, dim=1, keepdim=True) ** 0.5)
+    assert tau_normalised(model, 0.0) is model
+
+
+def test_focal_loss_is_cross_entropy_at_gamma_0_and_down_weights_easy_samples():
+    import torch
+
+    from raysim.training import cross_entropy, focal_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    assert torch.allclose(focal_loss(0.0)(model, x, y), cross_entropy(model, x, y))
+    p = torch.softmax(model(x), 1)[torch.arange(8), y]
+    assert torch.allclose(focal_loss(2.0)(model, x, y), (-(1 - p) ** 2 * p.log()).mean())
+
+
+def test_fedfocal_and_fedavg_taunorm_run_and_eval_tau_norm_applies_to_any_algorithm(ray_local, tmp_path):
+    import torch
+
+    common = ["long_tail.imbalance=10", "rounds=2", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "algorithm=fedfocal", "run_name=focal"]) == 0
+    assert main([*common, "algorithm=fedavg_taunorm", "run_name=tn"]) == 0
+    assert main([*common, "algorithm=fedavg", "eval.tau_norm=1", "run_name=evaltn"]) == 0
+    a, b = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("tn", "evaltn"))
+    assert [r["accuracy"] for r in a] == [r["accuracy"] for r in b]  # the same model, the same normalisation
+    saved = torch.load(tmp_path / "tn" / "model.pt", weights_only=True)["global"]["head.weight"]
+    assert not torch.allclose(torch.linalg.vector_norm(saved, dim=1), torch.ones(10))  # the trained model is saved

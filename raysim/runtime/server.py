@@ -44,7 +44,7 @@ from raysim.runtime.availability import Availability
 from raysim.runtime.local_eval import clients_test_data
 from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.training import evaluate, nbytes
+from raysim.training import evaluate, nbytes, tau_normalised
 
 
 FETCH_BYTES = 64 * 2**20
@@ -312,6 +312,8 @@ class FederatedServer:
         t_train = time.time() - t0
         models = self.algorithm.eval_models()
         self._check_finite(rnd, extra, models)
+        if self.cfg.eval.tau_norm:  # tau-normalised classifiers, for evaluation only
+            models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
         row: dict = {"round": rnd}
         evaluated: dict[int, float] = {}  # per-client accuracy on local test data
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
