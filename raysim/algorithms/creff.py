@@ -182,7 +182,7 @@ class CReFF(FedAvg):
         first = None
         for _ in range(int(self.opts.match_steps)):
             loss = loss_now()
-            first = float(loss) if first is None else first
+            first = float(loss.detach()) if first is None else first
             (grad,) = torch.autograd.grad(loss, [feats])
             with torch.no_grad():
                 feats -= float(self.opts.feature_lr) * grad
