@@ -134,6 +134,25 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
             return {"loss": total / max(count, 1), "steps": done, "lr": lr}
 
 
+def train_linear(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, batch_size: int,
+                 generator: torch.Generator) -> torch.nn.Module:
+    """`steps` steps of plain SGD on the cross-entropy of `head` on (x, y), minibatches drawn
+    without replacement from `generator` (a new permutation per pass): a classifier re-trained
+    on server-side features (CReFF's federated features, CCVR's virtual ones)."""
+    opt = SGD(head.parameters(), lr=lr)
+    n = len(y)
+    perm, at = torch.randperm(n, generator=generator), 0
+    for _ in range(steps):
+        if at >= n:
+            perm, at = torch.randperm(n, generator=generator), 0
+        idx = perm[at:at + batch_size]
+        at += batch_size
+        opt.zero_grad()
+        F.cross_entropy(head(x[idx]), y[idx]).backward()
+        opt.step()
+    return head
+
+
 def effective_steps(steps: int, momentum: float) -> float:
     """How many plain-SGD steps `steps` heavy-ball steps amount to (FedNova's a_i):
     (tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho); = tau when rho = 0. x - y is about

@@ -60,3 +60,39 @@ def test_creff_resumes_with_its_federated_features_to_the_same_model(ray_local, 
     rows = pq.read_table(tmp_path / "whole" / "metrics.parquet").to_pylist()
     assert all(r["match_loss"] < r["match_loss_start"] for r in rows)
     assert "global_accuracy" in rows[0] and "few_accuracy" in rows[0]
+
+
+def test_ccvr_pools_the_clients_gaussians_exactly_and_samples_them_within_sampling_error():
+    import numpy as np
+
+    from raysim.algorithms.ccvr import pooled_gaussians
+
+    rng = np.random.default_rng(0)
+    data = {0: rng.normal([1, -2, 0.5], [1, 2, 0.5], (300, 3)), 1: rng.normal(3, 1, (200, 3))}
+    # three clients hold uneven shares of each class
+    cuts = {0: [0, 40, 250, 300], 1: [0, 1, 120, 200]}
+    stats = []
+    for k in range(3):
+        mine = {}
+        for c, x in data.items():
+            part = x[cuts[c][k]:cuts[c][k + 1]]
+            cov = np.cov(part.T) if len(part) > 1 else np.zeros((3, 3))
+            mine[c] = (len(part), part.mean(0), cov)
+        stats.append(mine)
+    pooled = pooled_gaussians(stats, 3)
+    for c, x in data.items():  # the pooled statistics are those of all the class's samples
+        assert np.allclose(pooled[c][0], x.mean(0)) and np.allclose(pooled[c][1], np.cov(x.T))
+    draws = np.random.default_rng(1).multivariate_normal(*pooled[0], 20000, method="eigh")
+    assert np.allclose(draws.mean(0), pooled[0][0], atol=0.05) and np.allclose(np.cov(draws.T), pooled[0][1], atol=0.1)
+
+
+def test_ccvr_calibrates_the_classifier_on_virtual_features_and_resumes(ray_local, tmp_path):
+    common = ["algorithm=ccvr", "long_tail.imbalance=10", "ccvr.retrain_steps=50", "local.epochs=1",
+              "checkpoint_every=2", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=2", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=3", "--quiet"]) == 0
+    assert main([*common, "rounds=3", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("part", "whole"))
+    assert torch.equal(a["calibrated"]["weight"], b["calibrated"]["weight"])
+    rows = pq.read_table(tmp_path / "whole" / "clients.parquet").to_pylist()
+    assert sum(r["method"] == "feature_stats" for r in rows) == 3 * 20  # every client, every round

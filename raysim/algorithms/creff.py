@@ -47,7 +47,7 @@ from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import SGD, WeightedMean, cpu_state, local_sgd, seed_for
+from raysim.training import WeightedMean, cpu_state, local_sgd, seed_for, train_linear
 
 
 @dataclass
@@ -199,19 +199,9 @@ class CReFF(FedAvg):
             head = nn.Linear(self.model.feature_dim, self.num_classes)
         else:
             head = copy.deepcopy(self.model.head)
-        opt = SGD(head.parameters(), lr=float(self.opts.retrain_lr))
         g = torch.Generator().manual_seed(seed_for(int(self.cfg.seed), rnd, 46))
-        n, bs = len(self.labels), int(self.opts.retrain_batch)
-        perm, at = torch.randperm(n, generator=g), 0
-        for _ in range(int(self.opts.retrain_steps)):
-            if at >= n:
-                perm, at = torch.randperm(n, generator=g), 0
-            idx = perm[at:at + bs]
-            at += bs
-            opt.zero_grad()
-            F.cross_entropy(head(self.features[idx]), self.labels[idx]).backward()
-            opt.step()
-        self.classifier = head
+        self.classifier = train_linear(head, self.features, self.labels, int(self.opts.retrain_steps),
+                                       float(self.opts.retrain_lr), int(self.opts.retrain_batch), g)
 
     def eval_models(self) -> dict:
         return {"retrained": Retrained(self.model.encoder, self.classifier), "global": self.model}
