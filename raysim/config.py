@@ -509,12 +509,15 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    from raysim.models import model_option_names
+    from raysim.models import model_option_defaults
 
-    takes = model_option_names(cfg.model)
-    for key in cfg.model_options:
+    takes = model_option_defaults(cfg.model)
+    for key, value in cfg.model_options.items():
         need(key in takes, f"model_options.{key}: model {cfg.model!r} takes "
                            f"{', '.join(takes) if takes else 'no options'}")
+        if isinstance(takes[key], int):  # sizes and counts (width, vocab_size, layers, ...)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"model_options.{key} must be an integer >= 1, got {value!r}")
     hidden = cfg.model_options.get("hidden")
     need(hidden is None or (isinstance(hidden, Iterable) and not isinstance(hidden, str)
                             and all(isinstance(h, int) and h >= 1 for h in hidden)),

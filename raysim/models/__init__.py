@@ -122,15 +122,18 @@ class _BasicBlock(nn.Module):
 
 
 @MODELS.register("resnet8")
-def resnet8(input_shape: tuple, num_classes: int) -> EncoderHead:
-    """ResNet-8 for CIFAR (as in CReFF / FedDF): conv3x3(16) then three stages of one basic
-    block (16, 32, 64 channels, strides 1, 2, 2), global average pooling; 64-d features."""
+def resnet8(input_shape: tuple, num_classes: int, width: int = 1) -> EncoderHead:
+    """ResNet-8 for CIFAR (FedDF's / CReFF's `ResNet_cifar`, resnet_size=8): conv3x3(16w)
+    then three stages of one basic block (16w, 32w, 64w channels, strides 1, 2, 2), global
+    average pooling; 64w-d features. `width` is their `scaling`: CReFF's paper model is
+    width 4 (64, 128, 256 channels, 256-d features)."""
+    c = [16 * width, 32 * width, 64 * width]
     enc = nn.Sequential(
-        nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-        _BasicBlock(16, 16, 1), _BasicBlock(16, 32, 2), _BasicBlock(32, 64, 2),
+        nn.Conv2d(input_shape[0], c[0], 3, 1, 1, bias=False), nn.BatchNorm2d(c[0]), nn.ReLU(),
+        _BasicBlock(c[0], c[0], 1), _BasicBlock(c[0], c[1], 2), _BasicBlock(c[1], c[2], 2),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
     )
-    return EncoderHead(enc, 64, num_classes)
+    return EncoderHead(enc, c[2], num_classes)
 
 
 class _LastHidden(nn.Module):
@@ -179,6 +182,12 @@ def model_from(cfg, input_shape: tuple, num_classes: int) -> EncoderHead:
 
 def model_option_names(name: str) -> list[str]:
     """The options model `name` takes (its factory's arguments after shape and classes)."""
+    return list(model_option_defaults(name))
+
+
+def model_option_defaults(name: str) -> dict:
+    """{option: default} of model `name`'s own arguments."""
     import inspect
 
-    return list(inspect.signature(MODELS.get(name)).parameters)[2:]
+    params = list(inspect.signature(MODELS.get(name)).parameters.values())[2:]
+    return {p.name: p.default for p in params}
