@@ -83,6 +83,7 @@ class LocalConfig:
     weight_decay: float = 1e-5
     lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
     augment: Any = False  # false | colour (= true; FedEntOpt's) | crop_flip (NIID-Bench's): see raysim/data/augment.py
+    focal_gamma: float = 0.0  # > 0: the focal loss instead of cross-entropy (algorithms that train on the plain loss)
 
 
 @dataclass
@@ -557,6 +558,11 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= loc.momentum < 1, f"local.momentum must be in [0, 1), got {loc.momentum}")
     need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
     need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
+    need(loc.focal_gamma >= 0, f"local.focal_gamma must be >= 0 (0: cross-entropy), got {loc.focal_gamma}")
+    if loc.focal_gamma > 0 and not getattr(registry.ALGORITHMS.get(cfg.algorithm), "trains_on_base_loss", False):
+        takes = [n for n in registry.ALGORITHMS.names() if getattr(registry.ALGORITHMS.get(n), "trains_on_base_loss", False)]
+        raise ConfigError(f"local.focal_gamma: algorithm {cfg.algorithm!r} trains on its own loss, not the plain one; "
+                          f"algorithms that take it: {', '.join(takes)}")
     try:
         augmentation_name(loc.augment)
     except ValueError:

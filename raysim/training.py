@@ -31,6 +31,12 @@ def focal_loss(gamma: float) -> LossFn:
     return loss
 
 
+def base_loss(local: DictConfig) -> LossFn:
+    """The plain local loss: cross-entropy, or the focal loss with `local.focal_gamma > 0`."""
+    gamma = float(local.get("focal_gamma", 0.0))
+    return focal_loss(gamma) if gamma > 0 else cross_entropy
+
+
 def tau_normalised(model: torch.nn.Module, tau: float) -> torch.nn.Module:
     """A copy of `model` whose classifier rows are w_c / ||w_c||^tau (tau-normalisation, Kang
     et al. 2020: balances the class weights a long tail skews; the bias is kept). tau = 1:

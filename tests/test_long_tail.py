@@ -91,3 +91,23 @@ def test_fedfocal_and_fedavg_taunorm_run_and_eval_tau_norm_applies_to_any_algori
     assert [r["accuracy"] for r in a] == [r["accuracy"] for r in b]  # the same model, the same normalisation
     saved = torch.load(tmp_path / "tn" / "model.pt", weights_only=True)["global"]["head.weight"]
     assert not torch.allclose(torch.linalg.vector_norm(saved, dim=1), torch.ones(10))  # the trained model is saved
+
+
+def test_local_focal_gamma_swaps_the_plain_loss_of_any_algorithm_that_trains_on_it():
+    import torch
+
+    from raysim.algorithm import Client
+    from raysim.algorithms.fedprox import FedProx
+    from raysim.models import build_model
+    from raysim.training import focal_loss
+
+    cfg = load_config(overrides=["algorithm=fedprox", "fedprox.mu=0.5", "local.focal_gamma=2"])
+    model = build_model("mlp", (1, 8, 8), 10)
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    client = Client(0, 1, cfg, x, y, 10, torch.device("cpu"), torch.Generator(), {}, model)
+    weights = {k: v + 0.1 for k, v in model.state_dict().items()}
+    loss = FedProx(cfg, 10, (1, 8, 8)).local_loss(client, {"weights": weights})(model, x, y)
+    prox = sum(((p - weights[n]) ** 2).sum() for n, p in model.named_parameters())
+    assert torch.allclose(loss, focal_loss(2.0)(model, x, y) + 0.25 * prox)
+    with pytest.raises(ConfigError, match="local.focal_gamma: algorithm 'fedrs' trains on its own loss"):
+        load_config(overrides=["algorithm=fedrs", "local.focal_gamma=2"])

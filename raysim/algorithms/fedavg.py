@@ -7,7 +7,7 @@ from typing import Iterator
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd
+from raysim.training import WeightedMean, base_loss, cpu_state, local_sgd
 
 
 @ALGORITHMS.register("fedavg")
@@ -38,9 +38,11 @@ class FedAvg(Algorithm):
         return {"global": self.model}
 
     # ---- client ----
+    trains_on_base_loss = True  # training.base_loss (so local.focal_gamma applies); False: its own loss
+
     def local_loss(self, client: Client, payload: dict):
         """The loss local SGD minimises; FedProx, MOON, FedRS, ... override this."""
-        return cross_entropy
+        return base_loss(client.cfg.local)
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         model = client.model

@@ -21,6 +21,7 @@ class FedFocalConfig:
 @ALGORITHMS.register("fedfocal")
 class FedFocal(FedAvg):
     Config = FedFocalConfig
+    trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
 
     @staticmethod
     def validate_config(cfg) -> None:

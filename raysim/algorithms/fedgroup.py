@@ -44,7 +44,7 @@ from raysim.algorithms.clustered import GroupModels, flat
 from raysim.algorithms.fedprox import proximal_loss
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, cross_entropy
+from raysim.training import WeightedMean, base_loss, cpu_state
 
 
 @dataclass
@@ -239,6 +239,7 @@ class FedGrouProx(FedGroup):
 
     def local_loss(self, client: Client, payload: dict):
         if not self.cfg.fedgroup.mu:
-            return cross_entropy
+            return base_loss(client.cfg.local)
         names = [n for n, _ in client.model.named_parameters()]
-        return proximal_loss(float(self.cfg.fedgroup.mu), [payload["weights"][n].to(client.device) for n in names])
+        return proximal_loss(float(self.cfg.fedgroup.mu), [payload["weights"][n].to(client.device) for n in names],
+                             base_loss(client.cfg.local))

@@ -36,6 +36,7 @@ def calibrated_logits(logits: torch.Tensor, counts: torch.Tensor, tau: float) ->
 @ALGORITHMS.register("fedlc")
 class FedLC(FedAvg):
     Config = FedLCConfig
+    trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
 
     @staticmethod
     def validate_config(cfg) -> None:

@@ -8,7 +8,7 @@ import torch
 from raysim.algorithm import Client
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import cross_entropy
+from raysim.training import base_loss, cross_entropy
 
 from raysim.algorithms.fedavg import FedAvg
 
@@ -18,11 +18,11 @@ class FedProxConfig:
     mu: float = 0.01
 
 
-def proximal_loss(mu: float, global_params: list[torch.Tensor]):
-    """cross-entropy + mu/2 * sum ||w - w_global||^2 over the trainable parameters."""
+def proximal_loss(mu: float, global_params: list[torch.Tensor], base=cross_entropy):
+    """base (cross-entropy, or focal) + mu/2 * sum ||w - w_global||^2 over the trainable parameters."""
     def loss(model, x, y):
         prox = sum(((w - g) ** 2).sum() for w, g in zip(model.parameters(), global_params))
-        return cross_entropy(model, x, y) + 0.5 * mu * prox
+        return base(model, x, y) + 0.5 * mu * prox
 
     return loss
 
@@ -39,4 +39,4 @@ class FedProx(FedAvg):
     def local_loss(self, client: Client, payload: dict):
         names = [n for n, _ in client.model.named_parameters()]
         global_params = [payload["weights"][n].to(client.device) for n in names]
-        return proximal_loss(float(self.cfg.fedprox.mu), global_params)
+        return proximal_loss(float(self.cfg.fedprox.mu), global_params, base_loss(client.cfg.local))

@@ -52,6 +52,7 @@ def restricted_logits(logits: torch.Tensor, present: torch.Tensor, alpha: float)
 @ALGORITHMS.register("fedrs")
 class FedRS(FedAvg):
     Config = FedRSConfig
+    trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
 
     @staticmethod
     def validate_config(cfg) -> None:
