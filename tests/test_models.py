@@ -6,7 +6,8 @@ from raysim.models import EncoderHead, build_model
 from raysim.registry import MODELS
 
 SHAPES = {"mclr": [(60,), (1, 28, 28)], "mlp": [(60,), (1, 8, 8)], "cnn": [(1, 28, 28), (3, 32, 32)],
-          "lenet5": [(1, 28, 28), (3, 32, 32)], "vgg9": [(3, 32, 32)], "vgg11": [(3, 32, 32)], "resnet8": [(3, 32, 32)]}
+          "lenet5": [(1, 28, 28), (3, 32, 32)], "vgg9": [(3, 32, 32)], "vgg11": [(3, 32, 32)], "resnet8": [(3, 32, 32)],
+          "lstm": [(25, 8)]}  # word vectors; token ids: tests/test_leaf.py
 
 
 def test_every_registered_model_is_covered():
@@ -22,6 +23,12 @@ def test_model_forward_and_split(name, shape):
     assert feats.shape == (3, model.feature_dim)
     assert torch.allclose(model.head(feats), model(x))
     assert model(x).shape == (3, 7)
+
+
+def test_resnet8_width_4_is_crefs_model_with_256_features():
+    model = build_model("resnet8", (3, 32, 32), 10, {"width": 4})
+    assert model.feature_dim == 256 and model.encoder[0].out_channels == 64
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_mlp_hidden_layers_are_an_option_and_fedgroups_mlp_has_its_parameter_count(ray_local, tmp_path):
