@@ -240,3 +240,16 @@ def test_fedgroup_gives_the_same_groups_and_models_with_1_and_3_actors(ray_local
     assert torch.equal(a["group_of"], b["group_of"]) and torch.equal(a["directions"], b["directions"])
     for ga, gb in zip(a["groups"], b["groups"]):
         assert all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+def test_direction_latest_makes_a_trained_groups_direction_its_last_update():
+    algo, _ = fedgroup()
+    updates = {c: along(algo, "head.bias", 1, 0.1) for c in range(6)}
+    for how in ("initial", "latest"):
+        algo, server = fedgroup(f"fedgroup.direction={how}", updates=updates)
+        algo.group_of[:] = [0, 0, 0, 1, 1, 1]
+        before = flat(algo.models[0].state_dict(), algo.names)
+        algo.train_groups(2, server, [0, 1])
+        moved = flat(algo.models[0].state_dict(), algo.names) - before
+        assert torch.allclose(algo.directions[0], moved) == (how == "latest")
+        assert not algo.directions[1].any()  # an untrained group keeps its direction

@@ -122,8 +122,10 @@ class GroupModels(FedAvg):
 
     def after_round(self, folded: dict[int, list], loss: float) -> dict:
         """The round's metrics; then the auxiliary model follows the groups."""
-        gaps = [float(torch.linalg.vector_norm(w - flat(self.models[g].state_dict(), self.names)))
-                for g, models in folded.items() for w in models]
+        gaps = []
+        for g, models in folded.items():
+            group = flat(self.models[g].state_dict(), self.names)  # once per group, not per client
+            gaps += [float(torch.linalg.vector_norm(w - group)) for w in models]
         self.refresh_aux()
         placed = self.group_of[self.group_of >= 0]
         out = {"groups_trained": len(folded), "placed": len(placed),

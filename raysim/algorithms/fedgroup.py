@@ -131,10 +131,7 @@ class FedGroup(GroupModels):
         self.clustered = False
         self.directions = torch.zeros(int(self.opts.groups), sum(self.w0.state_dict()[n].numel() for n in self.names),
                                       dtype=torch.float64)
-        return [self._copy_w0() for _ in range(int(self.opts.groups))]
-
-    def _copy_w0(self) -> torch.nn.Module:
-        return copy.deepcopy(self.w0)
+        return [copy.deepcopy(self.w0) for _ in range(int(self.opts.groups))]
 
     def run_round(self, rnd: int, server: Server) -> dict:
         extra = {}
@@ -196,13 +193,14 @@ class FedGroup(GroupModels):
         # a client whose pre-training dropped stays cold: placed when next selected
 
     def train_groups(self, rnd: int, server: Server, cohort: list[int]) -> dict:
+        if self.opts.direction != "latest":
+            return super().train_groups(rnd, server, cohort)
         before = {g: flat(m.state_dict(), self.names) for g, m in enumerate(self.models)}
         metrics = super().train_groups(rnd, server, cohort)
-        if self.opts.direction == "latest":  # the authors' code: the group's latest update
-            for g, m in enumerate(self.models):
-                delta = flat(m.state_dict(), self.names) - before[g]
-                if delta.any():
-                    self.directions[g] = delta
+        for g, m in enumerate(self.models):  # the authors' code: cold clients meet the latest update
+            delta = flat(m.state_dict(), self.names) - before[g]
+            if delta.any():
+                self.directions[g] = delta
         return metrics
 
     def mix_groups(self, trained: list[int]) -> None:
