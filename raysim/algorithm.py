@@ -72,7 +72,7 @@ class Server(Protocol):
     input_shape: tuple
     input_range: tuple  # (smallest, largest) input value in the test set, e.g. for probe inputs
 
-    def new_model(self) -> torch.nn.Module: ...
+    def new_model(self) -> torch.nn.Module: ...  # the algorithm's `build_model`, seeded from the run's seed
 
     def select_clients(self, rnd: int, k: Optional[int] = None) -> list[int]: ...
 
@@ -95,6 +95,16 @@ class Algorithm:
         self.cfg = cfg
         self.num_classes = num_classes
         self.input_shape = input_shape
+
+    def build_model(self, input_shape: tuple) -> torch.nn.Module:
+        """The network this algorithm trains, built the same way on the server
+        (`server.new_model()`, seeded) and in every client actor (`client.model`, the
+        actor's scratch instance). Default: the configured model (`model`,
+        `model_options`). An algorithm that changes the network overrides this: MOON adds
+        a projection head, Fed2 groups the last layers."""
+        from raysim.models import model_from
+
+        return model_from(self.cfg, input_shape, self.num_classes)
 
     # ---- server half -------------------------------------------------------------
     def setup(self, server: Server) -> None:

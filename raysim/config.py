@@ -510,15 +510,19 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    from raysim.models import model_option_defaults
+    from raysim.models import MODEL_OPTION_CHOICES, model_option_defaults
 
     takes = model_option_defaults(cfg.model)
     for key, value in cfg.model_options.items():
         need(key in takes, f"model_options.{key}: model {cfg.model!r} takes "
                            f"{', '.join(takes) if takes else 'no options'}")
-        if isinstance(takes[key], int):  # sizes and counts (width, vocab_size, layers, ...)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                 f"model_options.{key} must be an integer >= 1, got {value!r}")
+        if isinstance(takes[key], int):  # sizes and counts (width, vocab_size, layers, ...); 0 = off where 0 is the default
+            least = 0 if takes[key] == 0 else 1
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                 f"model_options.{key} must be an integer >= {least}, got {value!r}")
+        if key in MODEL_OPTION_CHOICES:
+            need(value in MODEL_OPTION_CHOICES[key],
+                 f"model_options.{key} must be one of {', '.join(MODEL_OPTION_CHOICES[key])}, got {value!r}")
     hidden = cfg.model_options.get("hidden")
     need(hidden is None or (isinstance(hidden, Iterable) and not isinstance(hidden, str)
                             and all(isinstance(h, int) and h >= 1 for h in hidden)),

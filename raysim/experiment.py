@@ -37,20 +37,25 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                                    users_train=None if data.users_train is None else data.users_train[keep])
     own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
     part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
-    problem = _misfit(cfg.model, data.input_shape, n_classes, OmegaConf.to_container(cfg.model_options))
-    if problem is not None:
-        from raysim.registry import MODELS
+    from raysim.algorithm import Algorithm
+    from raysim.registry import ALGORITHMS, MODELS
 
-        fit = [m for m in MODELS.names() if m != cfg.model and _misfit(m, data.input_shape, n_classes) is None]
-        raise ConfigError(f"model={cfg.model!r} does not fit dataset {cfg.dataset!r} with inputs {data.input_shape} "
-                          f"({problem}); models that fit: {', '.join(fit) or 'none'}")
+    algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, n_classes, data.input_shape)  # it may change the network (Fed2)
+    problem = _misfit(lambda: algorithm.build_model(data.input_shape), data.input_shape)
+    if problem is not None:
+        fit = [m for m in MODELS.names()
+               if m != cfg.model and _misfit(lambda: build_model(m, data.input_shape, n_classes), data.input_shape) is None]
+        own = type(algorithm).build_model is not Algorithm.build_model
+        raise ConfigError(f"model={cfg.model!r}{f' ({cfg.algorithm} adapts it)' if own else ''} does not fit dataset "
+                          f"{cfg.dataset!r} with inputs {data.input_shape} ({problem}); models that fit: "
+                          f"{', '.join(fit) or 'none'}")
     return data, part, n_classes
 
 
-def _misfit(model_name: str, input_shape: tuple, n_classes: int, options=None):
-    """None if the model takes these inputs, else the first line of what went wrong."""
+def _misfit(build, input_shape: tuple):
+    """None if the network `build()` makes takes these inputs, else the first line of what went wrong."""
     try:
-        model = build_model(model_name, input_shape, n_classes, options)
+        model = build()
         with torch.no_grad():
             model.eval()(torch.zeros(2, *input_shape))
     except (RuntimeError, ValueError) as e:

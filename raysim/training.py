@@ -223,6 +223,52 @@ class WeightedMean:
                 for k, v in self.acc.items()}
 
 
+class GroupWeightedMean:
+    """Running mean of state dicts with per-parameter-group weights: the rows (dim 0) of the
+    entries in `row_groups` ({state key: group id of each row}) belong to parameter groups,
+    and each client weighs each group by its own weight; every other entry is shared and
+    weighted by the client's `shared` weight (FedAvg's sample count). A row no client
+    weighs (total weight 0) keeps its value in `like`. Fed2's feature paired averaging is
+    this with group weights = the client's samples of the group's classes; any algorithm
+    that averages parts of a model over different clients (per-class heads, per-cluster
+    blocks) can use it. Fed in client-id order: bit-for-bit reproducible."""
+
+    def __init__(self, row_groups: dict[str, torch.Tensor]):
+        self.row_groups = row_groups
+        self.acc: dict[str, torch.Tensor] = {}
+        self.den: dict[str, torch.Tensor] = {}
+        self.total = 0.0  # summed shared weight
+
+    def add(self, state: dict[str, torch.Tensor], shared: float, group_weights) -> None:
+        gw = torch.as_tensor(np.asarray(group_weights, dtype=np.float64))
+        for k, v in state.items():
+            if not v.is_floating_point():  # counters: the largest, as WeightedMean
+                self.acc[k] = torch.maximum(self.acc[k], v) if k in self.acc else v.clone()
+                continue
+            if k in self.row_groups:
+                w = gw[self.row_groups[k]].reshape(-1, *[1] * (v.dim() - 1))
+            else:
+                w = torch.tensor(float(shared), dtype=torch.float64)
+            term = v.double() * w
+            self.acc[k] = self.acc[k] + term if k in self.acc else term
+            self.den[k] = self.den[k] + w if k in self.den else w
+        self.total += float(shared)
+
+    def result(self, like: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+        """The mean, cast to `like`'s dtypes; None when nothing was added."""
+        if not self.acc or self.total <= 0:
+            return None
+        out = {}
+        for k, v in self.acc.items():
+            if k not in self.den:
+                out[k] = v.to(like[k].dtype)
+                continue
+            den = self.den[k].expand_as(v)
+            mean = torch.where(den > 0, v / den.clamp_min(1e-300), like[k].double())
+            out[k] = mean.to(like[k].dtype)
+        return out
+
+
 def parameter_names(model: torch.nn.Module) -> set[str]:
     """State-dict keys of the model's trainable parameters. Every other entry is a buffer
     (BatchNorm running statistics, counters): a server rule that is not a plain average

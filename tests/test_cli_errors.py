@@ -8,7 +8,7 @@ from raysim.run import main
 
 CASES = [
     (["dataset=nope"], "dataset='nope' is not a known dataset; choose one of: cifar10"),
-    (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: ccvr, creff, fedavg"),
+    (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: ccvr, creff, fed2, fedavg"),
     (["model=transformer"], "model='transformer' is not a known model"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
@@ -23,6 +23,10 @@ CASES = [
     (["seed=-1"], "seed must be in [0, 2**32), got -1"),
     (["dataset=synthetic", "num_clients=1000000"], "1000000 clients with FedProx's log-normal sizes make"),
     (["ray.num_cpus=0"], "ray.num_cpus must be >= 1"),
+    (["algorithm=fed2", "model=cnn"], "fed2 adapts the structure of mobilenet, vgg11, vgg16, vgg9; model='cnn'"),
+    (["algorithm=fed2", "fed2.norm=layer"], "fed2.norm must be one of none, batch, group, got 'layer'"),
+    (["algorithm=fed2", "model_options.groups=4"], "model_options.groups is set by fed2's section"),
+    (["model=vgg9", "model_options.norm=instance"], "model_options.norm must be one of none, batch, group"),
 ]
 
 
@@ -51,6 +55,7 @@ DATA_CASES = [
     (["partition=natural"], "partition 'natural' needs a dataset with natural users"),
     (["dataset=mnist", "download=false", "data_dir=/nonexistent"], "files not found under /nonexistent/MNIST/raw"),
     (["model=resnet8", "dataset=synthetic", "partition=natural"], "model='resnet8' does not fit dataset 'synthetic'"),
+    (["algorithm=fed2", "fed2.groups=11"], "model='vgg9' (fed2 adapts it) does not fit dataset 'digits' with inputs (1, 8, 8) (grouping needs 2 <= grouped_layers <= 9 (the model's layers) and 2 <= groups <= 10 (the classes), got grouped_layers=6, groups=11"),
 ]
 
 

@@ -6,7 +6,8 @@ from raysim.models import EncoderHead, build_model
 from raysim.registry import MODELS
 
 SHAPES = {"mclr": [(60,), (1, 28, 28)], "mlp": [(60,), (1, 8, 8)], "cnn": [(1, 28, 28), (3, 32, 32)],
-          "lenet5": [(1, 28, 28), (3, 32, 32)], "vgg9": [(3, 32, 32)], "vgg11": [(3, 32, 32)], "resnet8": [(3, 32, 32)],
+          "lenet5": [(1, 28, 28), (3, 32, 32)], "vgg9": [(3, 32, 32)], "vgg11": [(3, 32, 32)], "vgg16": [(3, 32, 32)], "mobilenet": [(3, 32, 32)],
+          "resnet8": [(3, 32, 32)],
           "lstm": [(25, 8)]}  # word vectors; token ids: tests/test_leaf.py
 
 

@@ -33,7 +33,6 @@ import torch
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.config import ConfigError
-from raysim.models import model_from
 from raysim.training import WeightedMean, cpu_state, parameter_names, seed_for
 
 
@@ -78,7 +77,7 @@ class GroupModels(FedAvg):
         models = []
         for g in range(int(self.opts.groups)):
             torch.manual_seed(seed_for(int(self.cfg.seed), 888, g))
-            models.append(model_from(self.cfg, self.input_shape, self.num_classes))
+            models.append(self.build_model(self.input_shape))
         return models
 
     def refresh_aux(self) -> None:

@@ -48,7 +48,7 @@ from torch import nn
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
 from raysim.config import ConfigError
-from raysim.models import EncoderHead, model_from
+from raysim.models import EncoderHead
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, local_sgd
 
@@ -321,7 +321,7 @@ class FedConcat(Algorithm):
     def _scratch_concat(self, client: Client, k: int) -> ConcatModel:
         if getattr(self, "_concat_scratch", None) is None:
             shape = tuple(client.x.shape[1:])
-            parts = [model_from(self.cfg, shape, self.num_classes) for _ in range(k)]
+            parts = [self.build_model(shape) for _ in range(k)]
             self._concat_scratch = ConcatModel([p.encoder for p in parts], parts[0].feature_dim,
                                                self.num_classes).to(client.device)
         return self._concat_scratch

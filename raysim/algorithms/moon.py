@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.algorithm import Client, ClientResult
 from raysim.config import ConfigError
-from raysim.models import EncoderHead, model_from
+from raysim.models import EncoderHead
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, local_sgd, seed_for
 
@@ -74,28 +74,25 @@ class Moon(FedAvg):
         if c.first_previous not in ("initial", "global"):
             raise ConfigError(f"moon.first_previous must be initial or global, got {c.first_previous!r}")
 
-    def build(self, base: EncoderHead) -> EncoderHead:
-        return with_projection(base, int(self.cfg.moon.out_dim), self.num_classes)
-
-    # ---- server ----
-    def setup(self, server: Server) -> None:
-        self.model = self.build(server.new_model())  # seeded: the projection's init follows the base's
+    def build_model(self, input_shape: tuple) -> EncoderHead:
+        """The configured model with MOON's projection head (its init follows the base's)."""
+        return with_projection(super().build_model(input_shape), int(self.cfg.moon.out_dim), self.num_classes)
 
     # ---- client ----
     def _nets(self, client: Client) -> list[EncoderHead]:
-        """Three scratch networks per actor (trained, global, previous), built once."""
+        """The trained network (the actor's `client.model`) and two frozen scratch ones
+        (global, previous), built once per actor."""
         if getattr(self, "_scratch", None) is None:
             shape = tuple(client.x.shape[1:])
-            self._scratch = [self.build(model_from(self.cfg, shape, self.num_classes)).to(client.device)
-                             for _ in range(3)]
-        return self._scratch
+            self._scratch = [self.build_model(shape).to(client.device) for _ in range(2)]
+        return [client.model, *self._scratch]
 
     def initial_network(self, client: Client) -> dict:
         """The client's own initial network (the authors' code gives each client one), seeded
         from (seed, client id): what a client first selected after round 1 has as 'previous'."""
         torch.manual_seed(seed_for(int(self.cfg.seed), client.cid, 11))
         shape = tuple(client.x.shape[1:])
-        return cpu_state(self.build(model_from(self.cfg, shape, self.num_classes)))
+        return cpu_state(self.build_model(shape))
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         net, glob, prev = self._nets(client)

@@ -8,18 +8,9 @@ import math
 import torch
 from torch import nn
 
+from raysim.models import layered
+from raysim.models.base import EncoderHead
 from raysim.registry import MODELS
-
-
-class EncoderHead(nn.Module):
-    def __init__(self, encoder: nn.Module, feature_dim: int, num_classes: int):
-        super().__init__()
-        self.encoder = encoder
-        self.feature_dim = feature_dim
-        self.head = nn.Linear(feature_dim, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
 
 
 def _flat_dim(shape: tuple) -> int:
@@ -72,37 +63,54 @@ def lenet5(input_shape: tuple, num_classes: int) -> EncoderHead:
     return _lenet_style(input_shape, num_classes, padding=max(0, (32 - input_shape[-1]) // 2))
 
 
-def _vgg(input_shape: tuple, num_classes: int, plan: list, batch_norm: bool) -> EncoderHead:
-    """3x3 convs (with BatchNorm when asked) per `plan` ("M" = 2x2 max pool), then
-    fc512-fc512 and the classifier."""
-    layers: list[nn.Module] = []
-    c = input_shape[0]
-    for v in plan:
-        if v == "M":
-            layers.append(nn.MaxPool2d(2))
-        else:
-            layers += [nn.Conv2d(c, v, 3, padding=1), *([nn.BatchNorm2d(v)] if batch_norm else []), nn.ReLU()]
-            c = v
-    body = nn.Sequential(*layers, nn.Flatten())
-    d = _conv_features(body, input_shape)
-    enc = nn.Sequential(body, nn.Linear(d, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU())
-    return EncoderHead(enc, 512, num_classes)
+MODEL_OPTION_CHOICES = {"norm": layered.NORMS, "allocation": layered.ALLOCATIONS}  # string options' allowed values
+
+
+def _vgg(input_shape, num_classes, convs: list, norm, groups, grouped_layers, allocation) -> EncoderHead:
+    """3x3 convs per `convs` ("M" = 2x2 max pool), then fc512-fc512 and the classifier."""
+    plan = [v if v == "M" else ("conv", v) for v in convs]
+    return layered.build(input_shape, num_classes, plan, [512, 512], norm, groups, grouped_layers, allocation)
 
 
 @MODELS.register("vgg9")
-def vgg9(input_shape: tuple, num_classes: int) -> EncoderHead:
+def vgg9(input_shape: tuple, num_classes: int, norm: str = "none", groups: int = 1, grouped_layers: int = 0,
+         allocation: str = "blocks") -> EncoderHead:
     """VGG-9 of FedMA / Fed2: six 3x3 convs (32, 64, pool, 128, 128, pool, 256, 256, pool),
-    then fc512-fc512 and the classifier; no batch norm."""
-    return _vgg(input_shape, num_classes, [32, 64, "M", 128, 128, "M", 256, 256, "M"], batch_norm=False)
+    then fc512-fc512 and the classifier; no normalisation by default (FedMA's)."""
+    return _vgg(input_shape, num_classes, [32, 64, "M", 128, 128, "M", 256, 256, "M"],
+                norm, groups, grouped_layers, allocation)
 
 
 @MODELS.register("vgg11")
-def vgg11(input_shape: tuple, num_classes: int) -> EncoderHead:
+def vgg11(input_shape: tuple, num_classes: int, norm: str = "batch", groups: int = 1, grouped_layers: int = 0,
+          allocation: str = "blocks") -> EncoderHead:
     """VGG-11 (configuration A of Simonyan & Zisserman) for 32x32 inputs, as FedEntOpt uses:
     eight 3x3 convs 64-M-128-M-256-256-M-512-512-M-512-512-M with BatchNorm, then
     fc512-fc512 and the classifier."""
     return _vgg(input_shape, num_classes, [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
-                batch_norm=True)
+                norm, groups, grouped_layers, allocation)
+
+
+@MODELS.register("vgg16")
+def vgg16(input_shape: tuple, num_classes: int, norm: str = "batch", groups: int = 1, grouped_layers: int = 0,
+          allocation: str = "blocks") -> EncoderHead:
+    """VGG-16 (configuration D) for 32x32 inputs, as Fed2 uses on CIFAR-100: thirteen 3x3
+    convs 64-64-M-128-128-M-256x3-M-512x3-M-512x3-M with BatchNorm, fc512-fc512, classifier."""
+    return _vgg(input_shape, num_classes,
+                [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+                norm, groups, grouped_layers, allocation)
+
+
+@MODELS.register("mobilenet")
+def mobilenet(input_shape: tuple, num_classes: int, norm: str = "batch", groups: int = 1, grouped_layers: int = 0,
+              allocation: str = "blocks") -> EncoderHead:
+    """MobileNet-v1 (Howard et al. 2017) for 32x32 inputs (the common CIFAR version: first conv
+    stride 1): conv3x3(32), thirteen depthwise-separable blocks 64, 128/2, 128, 256/2, 256,
+    512/2, 512 x5, 1024/2, 1024 (each a layer), global average pooling, the classifier;
+    BatchNorm after every convolution. 15 layers."""
+    blocks = [(64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), *[(512, 1)] * 5, (1024, 2), (1024, 1)]
+    plan = [("conv", 32), *(("dws", c, s) for c, s in blocks), "A"]
+    return layered.build(input_shape, num_classes, plan, [], norm, groups, grouped_layers, allocation)
 
 
 class _BasicBlock(nn.Module):

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from raysim.algorithm import Client
 from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
-from raysim.models import model_from
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import pool
 from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
@@ -63,7 +62,7 @@ class ClientActor:
             "algorithm": ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, shape),
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
         }
-        self.model = model_from(self.cfg, shape, num_classes).to(self.device)
+        self.model = self.plugins["algorithm"].build_model(shape).to(self.device)
         self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],

@@ -35,7 +35,6 @@ from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
 from raysim.experiment import describe, prepare, run_dir_for
-from raysim.models import model_from
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint, placement, pool
@@ -146,7 +145,7 @@ class FederatedServer:
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:
         torch.manual_seed(int(self.cfg.seed))
-        return model_from(self.cfg, self.input_shape, self.num_classes)
+        return self.algorithm.build_model(self.input_shape)
 
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])

@@ -1,0 +1,163 @@
+"""Fed2 (issue 14): the grouped structure against its definition (gradient isolation,
+parameter count), feature paired averaging against hand-computed means, then real runs
+(1 vs 3 actors, checkpoint + resume, bad settings)."""
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from raysim.algorithm import ClientResult
+from raysim.algorithms.fed2 import Fed2
+from raysim.config import ConfigError, load_config
+from raysim.models import build_model
+from raysim.models.layered import class_groups
+from raysim.run import main
+from raysim.training import GroupWeightedMean, cpu_state
+
+
+def grouped(name, shape, classes, **opts):
+    torch.manual_seed(0)
+    return build_model(name, shape, classes, {"groups": 10, "grouped_layers": 6, **opts})
+
+
+@pytest.mark.parametrize("name, shape, classes, opts", [
+    ("vgg9", (1, 28, 28), 10, {"norm": "group"}),
+    ("vgg9", (3, 32, 32), 20, {"norm": "batch", "allocation": "round_robin"}),  # 2 classes per group
+    ("vgg9", (3, 32, 32), 10, {"norm": "none", "grouped_layers": 9}),  # every layer grouped
+    ("vgg16", (3, 32, 32), 10, {"norm": "group"}),
+    ("mobilenet", (3, 32, 32), 10, {"norm": "group"}),
+    ("mobilenet", (3, 32, 32), 10, {"norm": "batch", "grouped_layers": 2}),  # the last block and the classifier
+])
+def test_class_c_logit_reaches_no_parameter_of_another_group(name, shape, classes, opts):
+    model = grouped(name, shape, classes, **opts).train()
+    rows = model.parameter_groups()
+    params = dict(model.named_parameters())
+    assert rows and set(rows) <= set(params)
+    x = torch.randn(4, *shape)
+    for c in range(0, classes, 3):
+        model.zero_grad()
+        model(x)[:, c].sum().backward()
+        g = int(model.class_group[c])
+        for key, group in rows.items():
+            grad = params[key].grad
+            grad = torch.zeros_like(params[key]) if grad is None else grad
+            assert torch.count_nonzero(grad[group != g]) == 0, (key, c)
+        own = sum(float(params[k].grad[grp == g].abs().sum()) for k, grp in rows.items() if params[k].grad is not None)
+        assert own > 0  # the class's own group does learn from it
+
+
+def test_classes_go_to_groups_in_blocks_or_round_robin():
+    assert class_groups(10, 10).tolist() == list(range(10))
+    assert class_groups(100, 10).tolist() == [c // 10 for c in range(100)]
+    assert class_groups(20, 10, "round_robin").tolist() == [c % 10 for c in range(20)]
+    assert sorted(set(class_groups(10, 4).tolist())) == [0, 1, 2, 3]
+
+
+def test_the_adapted_vgg9_has_the_parameter_count_its_grouping_implies():
+    model = grouped("vgg9", (3, 32, 32), 10, norm="none")
+    conv = lambda cin, cout, groups=1: cin // groups * cout * 9 + cout  # noqa: E731
+    expected = (conv(3, 32) + conv(32, 64) + conv(64, 128)  # shared
+                + conv(128, 130)  # first grouped layer: reads all 128 shared channels, 10 groups of 13 out
+                + conv(130, 260, 10) + conv(260, 260, 10)  # grouped convolutions (256 -> 260)
+                + 10 * (26 * 4 * 4 * 52 + 52) + 10 * (52 * 52 + 52)  # block-diagonal fc (512 -> 520)
+                + 10 * (52 * 1 + 1))  # decoupled classifier: one class per group
+    assert sum(p.numel() for p in model.parameters()) == expected
+    plain = build_model("vgg9", (3, 32, 32), 10)  # FedMA's VGG-9
+    assert sum(p.numel() for p in plain.parameters()) == 3_491_530
+    gn = grouped("vgg9", (3, 32, 32), 10, norm="group")  # GroupNorm adds a scale and shift per channel
+    assert sum(p.numel() for p in gn.parameters()) - expected == 2 * (32 + 64 + 128 + 130 + 260 + 260)
+
+
+def test_group_weighted_mean_is_the_hand_computed_mean_per_group_and_keeps_unheld_groups():
+    like = {"shared": torch.zeros(2), "w": torch.full((3, 2), 9.0), "count": torch.tensor(0)}
+    rows = {"w": torch.tensor([0, 1, 2])}  # row r belongs to group r
+    mean = GroupWeightedMean(rows)
+    mean.add({"shared": torch.tensor([1.0, 2.0]), "w": torch.ones(3, 2), "count": torch.tensor(3)}, 10, [4, 6, 0])
+    mean.add({"shared": torch.tensor([3.0, 6.0]), "w": 3 * torch.ones(3, 2), "count": torch.tensor(5)}, 30, [0, 30, 0])
+    out = mean.result(like)
+    assert torch.allclose(out["shared"], torch.tensor([(10 * 1 + 30 * 3) / 40, (10 * 2 + 30 * 6) / 40]))
+    assert torch.allclose(out["w"][0], torch.ones(2))  # only client 1 holds group 0
+    assert torch.allclose(out["w"][1], torch.full((2,), (6 * 1 + 30 * 3) / 36))
+    assert torch.equal(out["w"][2], like["w"][2])  # nobody holds group 2: unchanged
+    assert int(out["count"]) == 5
+
+
+class Stub:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def new_model(self):
+        torch.manual_seed(0)
+        return self.algorithm.build_model((1, 8, 8))
+
+
+def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
+    cfg = load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.norm=batch", "fed2.groups=5"])
+    algo = Fed2(cfg, 10, (1, 8, 8))
+    server = Stub(cfg)
+    server.algorithm = algo
+    algo.setup(server)
+    before = cpu_state(algo.model)
+    rows = algo.row_groups
+    key = next(k for k in rows if k.startswith("head."))  # group 0's classifier block
+    bn = next(k for k in before if k.endswith("running_mean"))
+    shared = "encoder.0.0.weight"
+    assert shared not in rows
+    sent = []
+    for cid, (n, held) in enumerate([(10, [10, 0, 0, 0, 0]), (30, [20, 10, 0, 0, 0])]):
+        state = {k: (v + cid + 1 if v.is_floating_point() else v) for k, v in before.items()}
+        sent.append(state)
+        algo_result = ClientResult(cid, n, {"weights": state, "group_samples": held}, {"loss": 1.0})
+        sent[-1] = (algo_result, state)
+    metrics = algo.aggregate(1, iter(r for r, _ in sent))
+    after = algo.model.state_dict()
+    (_, s0), (_, s1) = sent
+    assert torch.allclose(after[shared], (10 * s0[shared] + 30 * s1[shared]) / 40)  # FedAvg
+    assert torch.allclose(after[bn], (10 * s0[bn] + 30 * s1[bn]) / 40)  # buffer: plain mean
+    g0 = rows[key] == 0
+    assert torch.allclose(after[key][g0], (10 * s0[key][g0] + 20 * s1[key][g0]) / 30)  # group 0: by its samples
+    g1 = next(k for k in rows if rows[k].numel() and bool((rows[k] == 1).all()) and k.startswith("head."))
+    assert torch.allclose(after[g1], s1[g1])  # group 1: only client 1 holds it
+    g4 = next(k for k in rows if k.startswith("head.") and bool((rows[k] == 4).all()))
+    assert torch.equal(after[g4], before[g4])  # nobody holds group 4's classes: unchanged
+    assert metrics["groups_held"] == 2
+
+
+def test_the_nx5_partition_gives_every_node_exactly_five_classes():
+    from raysim.data.partition import make_partition
+
+    y = np.repeat(np.arange(10), 1000)
+    for n in (10, 20, 50):
+        cfg = load_config(overrides=["partition=classes", "partition.k=5", f"num_clients={n}"])
+        part = make_partition(y, cfg, 10)
+        held = [set(y[ix].tolist()) for ix in part.train]
+        assert all(len(h) == 5 for h in held) and set().union(*held) == set(range(10))
+
+
+COMMON = ["algorithm=fed2", "dataset=digits", "model=vgg9", "num_clients=8", "participation=0.5",
+          "partition=classes", "partition.k=5", "local.epochs=1", "fed2.groups=5"]
+
+
+def test_fed2_gives_the_same_model_with_1_and_3_actors(ray_local, tmp_path):
+    for n in (1, 3):
+        assert main([*COMMON, "rounds=2", f"resources.num_actors={n}", f"output_dir={tmp_path}", f"run_name=a{n}",
+                     "--quiet"]) == 0
+    a, b = (torch.load(tmp_path / f"a{n}" / "model.pt", weights_only=True)["global"] for n in (1, 3))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fed2_resumed_mid_run_gives_the_same_model(ray_local, tmp_path):
+    common = [*COMMON, "checkpoint_every=1", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=1", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=3", "--quiet"]) == 0
+    assert main([*common, "rounds=3", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("part", "whole"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moon_builds_its_projection_network_through_the_same_hook():
+    cfg = load_config(overrides=["algorithm=moon", "dataset=digits", "model=mlp"])
+    from raysim.algorithms.moon import Moon
+
+    net = Moon(cfg, 10, (1, 8, 8)).build_model((1, 8, 8))
+    assert net.feature_dim == int(OmegaConf.select(cfg, "moon.out_dim"))
