@@ -206,17 +206,17 @@ def test_moon_network_and_first_and_later_rounds():
     x_data, y_data = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
     moon = Moon(cfg, 10, (1, 8, 8))
     torch.manual_seed(0)
-    start = cpu_state(moon.build(build_model("mlp", (1, 8, 8), 10)))
+    start = cpu_state(moon.build_model((1, 8, 8)))
     # first round: no previous model, the global one stands in, l_con = log 2 is constant: FedAvg's step
-    c1 = client_of(cfg, None, x_data, y_data, num_classes=10)
+    c1 = client_of(cfg, moon.build_model((1, 8, 8)), x_data, y_data, num_classes=10)
     r1 = moon.client_update(c1, {"weights": start})
-    plain = moon.build(build_model("mlp", (1, 8, 8), 10))
+    plain = moon.build_model((1, 8, 8))
     c_plain = client_of(cfg, plain, x_data, y_data, num_classes=10)
     r_plain = FedAvg(cfg, 10, (1, 8, 8)).client_update(c_plain, {"weights": start})
     assert all(torch.allclose(r1.update[k], r_plain.update[k], atol=1e-6) for k in start)
     assert all(torch.equal(c1.state["prev"][k], r1.update[k]) for k in start)  # the client keeps its model
     # a later round: the previous model differs from the global one, the contrastive term acts
-    c2 = client_of(cfg, None, x_data, y_data, state=c1.state, num_classes=10)
+    c2 = client_of(cfg, moon.build_model((1, 8, 8)), x_data, y_data, state=c1.state, num_classes=10)
     c2.round = 2
     r2 = moon.client_update(c2, {"weights": start})
     c_plain2 = client_of(cfg, plain, x_data, y_data, num_classes=10)
@@ -236,15 +236,15 @@ def test_moon_first_participation_after_round_1():
                                      f"moon.first_previous={first}"])
         moon = Moon(cfg, 10, (1, 8, 8))
         torch.manual_seed(0)
-        start = cpu_state(moon.build(build_model("mlp", (1, 8, 8), 10)))
-        c = client_of(cfg, None, x_data, y_data, num_classes=10)
+        start = cpu_state(moon.build_model((1, 8, 8)))
+        c = client_of(cfg, moon.build_model((1, 8, 8)), x_data, y_data, num_classes=10)
         c.round = 3
         updates[first] = moon.client_update(c, {"weights": start}).update
         init_a, init_b = moon.initial_network(c), moon.initial_network(c)
         assert all(torch.equal(init_a[k], init_b[k]) for k in init_a)  # from (seed, client id)
         c.cid = 1
         assert not torch.equal(moon.initial_network(c)["head.weight"], init_a["head.weight"])
-    plain = moon.build(build_model("mlp", (1, 8, 8), 10))
+    plain = moon.build_model((1, 8, 8))
     c_plain = client_of(cfg, plain, x_data, y_data, num_classes=10)
     c_plain.round = 3
     fedavg = FedAvg(cfg, 10, (1, 8, 8)).client_update(c_plain, {"weights": start}).update
