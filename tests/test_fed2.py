@@ -161,3 +161,30 @@ def test_moon_builds_its_projection_network_through_the_same_hook():
 
     net = Moon(cfg, 10, (1, 8, 8)).build_model((1, 8, 8))
     assert net.feature_dim == int(OmegaConf.select(cfg, "moon.out_dim"))
+
+
+def test_the_analysis_tool_writes_a_table_and_picture_and_sees_the_grouped_layers_aligned(ray_local, tmp_path):
+    from raysim.analysis import main as analyse
+
+    assert main([*COMMON, "rounds=2", f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
+    assert analyse([str(tmp_path / "r"), "--per-class", "20"]) == 0
+    out = tmp_path / "r" / "analysis"
+    import csv
+
+    rows = list(csv.DictReader(open(out / "layers.csv")))
+    assert len(rows) == 8  # VGG-9's convolutions and hidden fully connected layers
+    grouped = [r for r in rows if r["aligned"] != ""]
+    assert len(grouped) == 5  # L = 6 grouped layers, the classifier being the sixth
+    assert all(float(r["aligned"]) == 1.0 for r in grouped)  # logit gradients reach only a neuron's own group
+    assert all(0 <= float(r["total_variance"]) <= 1 - 1 / 10 + 1e-6 for r in rows)
+    png = (out / "preferences.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    n_neurons = sum(int(r["neurons"]) for r in rows)
+    assert sum(1 for _ in open(out / "preferences.csv")) == n_neurons + 1
+
+
+def test_the_analysis_tool_names_a_folder_that_is_not_a_run(tmp_path, capsys):
+    from raysim.analysis import main as analyse
+
+    assert analyse([str(tmp_path)]) == 2
+    assert "config.yaml not found" in capsys.readouterr().err
