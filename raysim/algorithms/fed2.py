@@ -42,6 +42,7 @@ class Fed2Config:
     groups: int = 10  # G
     allocation: str = "blocks"  # classes to groups: blocks (C/G consecutive classes) | round_robin
     norm: str = "group"  # the network's normalisation: group (the paper) | batch | none
+    buffers: str = "paired"  # grouped BatchNorm statistics: paired (with their group) | plain (sample mean)
 
 
 def groupable_models() -> list[str]:
@@ -60,7 +61,8 @@ class Fed2(FedAvg):
                               f"has no grouped form")
         if not (c.layers >= 2 and c.groups >= 2):
             raise ConfigError(f"fed2.layers and fed2.groups must be >= 2, got {c.layers} and {c.groups}")
-        for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS)):
+        for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS),
+                             ("buffers", ("paired", "plain"))):
             if c[key] not in allowed:
                 raise ConfigError(f"fed2.{key} must be one of {', '.join(allowed)}, got {c[key]!r}")
         clash = [k for k in STRUCTURE if k in cfg.model_options]
@@ -77,7 +79,7 @@ class Fed2(FedAvg):
     # ---- server ----
     def setup(self, server: Server) -> None:
         super().setup(server)
-        self.row_groups = self.model.parameter_groups()
+        self.row_groups = self.model.parameter_groups(buffers=self.cfg.fed2.buffers == "paired")
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
         mean, loss_sum, held = GroupWeightedMean(self.row_groups), 0.0, 0

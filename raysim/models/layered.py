@@ -96,13 +96,18 @@ class LayeredNet(EncoderHead):
         else:
             self.class_group = None
 
-    def parameter_groups(self) -> dict[str, torch.Tensor]:
-        """{parameter name: group of each row along dim 0} for the grouped parameters; every
-        parameter not named is shared. Empty for an ungrouped network."""
+    def parameter_groups(self, buffers: bool = False) -> dict[str, torch.Tensor]:
+        """{state key: group of each row along dim 0} for the grouped parameters (and, with
+        `buffers`, the grouped layers' floating-point buffers: BatchNorm's running statistics
+        of a group's channels); every entry not named is shared. Empty for an ungrouped
+        network."""
         name_of = {id(m): n for n, m in self.named_modules()}
         out = {}
         for m in self._grouped:
-            for pname, p in m.named_parameters(recurse=False):
+            entries = list(m.named_parameters(recurse=False))
+            if buffers:
+                entries += [(n, b) for n, b in m.named_buffers(recurse=False) if b.is_floating_point()]
+            for pname, p in entries:
                 rows = p.shape[0]
                 out[f"{name_of[id(m)]}.{pname}"] = torch.arange(rows) // (rows // self.groups)
         if isinstance(self.head, DecoupledClassifier):
