@@ -113,7 +113,7 @@ def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
     after = algo.model.state_dict()
     (_, s0), (_, s1) = sent
     assert torch.allclose(after[shared], (10 * s0[shared] + 30 * s1[shared]) / 40)  # FedAvg
-    assert torch.allclose(after[bn], (10 * s0[bn] + 30 * s1[bn]) / 40)  # buffer: plain mean
+    assert torch.allclose(after[bn], (10 * s0[bn] + 30 * s1[bn]) / 40)  # a shared layer's buffer: plain mean
     g0 = rows[key] == 0
     assert torch.allclose(after[key][g0], (10 * s0[key][g0] + 20 * s1[key][g0]) / 30)  # group 0: by its samples
     g1 = next(k for k in rows if rows[k].numel() and bool((rows[k] == 1).all()) and k.startswith("head."))
@@ -121,6 +121,9 @@ def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
     g4 = next(k for k in rows if k.startswith("head.") and bool((rows[k] == 4).all()))
     assert torch.equal(after[g4], before[g4])  # nobody holds group 4's classes: unchanged
     assert metrics["groups_held"] == 2
+    grouped_bn = next(k for k in rows if k.endswith("running_mean"))  # a grouped layer's statistics go with their group
+    assert torch.allclose(after[grouped_bn][rows[grouped_bn] == 1], s1[grouped_bn][rows[grouped_bn] == 1])
+    assert torch.equal(after[grouped_bn][rows[grouped_bn] == 4], before[grouped_bn][rows[grouped_bn] == 4])
 
 
 def test_the_nx5_partition_gives_every_node_exactly_five_classes():
