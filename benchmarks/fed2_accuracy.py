@@ -36,6 +36,8 @@ VARIANTS = {  # name: overrides (the paper's Fig. 12 ablation)
     "fedavg+gn": ["algorithm=fedavg", "model_options.norm=group"],
     "fed2+bn": ["algorithm=fed2", "fed2.norm=batch", "fed2.layers=6", "fed2.groups=10"],
     "fed2+gn": ["algorithm=fed2", "fed2.norm=group", "fed2.layers=6", "fed2.groups=10"],
+    # ours, not the paper's: the decoupled classifier averaged over every client (fed2.classifier=all)
+    "fed2+gn/cls-all": ["algorithm=fed2", "fed2.norm=group", "fed2.layers=6", "fed2.groups=10", "fed2.classifier=all"],
 }
 
 
@@ -55,6 +57,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--participation", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run")
     args = p.parse_args()
@@ -71,10 +74,10 @@ def main() -> int:
             data = ["dataset=digits"]
         common = [*data, "model=vgg9", "partition=classes", "partition.k=5", f"num_clients={args.clients}",
                   f"participation={args.participation}", f"rounds={args.rounds}", f"local.epochs={args.epochs}",
-                  "local.batch_size=32", "local.lr=0.02", "local.momentum=0.9", "local.weight_decay=0",
+                  "local.batch_size=32", f"local.lr={args.lr}", "local.momentum=0.9", "local.weight_decay=0",
                   "eval_every=1", "checkpoint_every=0", *args.set, "--quiet"]
         print(f"{args.dataset}: VGG-9, partition=classes k=5 over {args.clients} nodes, participation "
-              f"{args.participation}, {args.epochs} local epoch(s), batch 32, SGD lr 0.02 momentum 0.9, "
+              f"{args.participation}, {args.epochs} local epoch(s), batch 32, SGD lr {args.lr} momentum 0.9, "
               f"{args.rounds} rounds, Fed2 L=6 G=10, seeds {args.seeds} {' '.join(args.set)}")
         curves: dict[str, list[list[float]]] = {}
         secs: dict[str, list[float]] = {}

@@ -126,6 +126,23 @@ def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
     assert torch.equal(after[grouped_bn][rows[grouped_bn] == 4], before[grouped_bn][rows[grouped_bn] == 4])
 
 
+def test_classifier_all_averages_the_decoupled_classifier_over_every_client():
+    cfg = load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", "fed2.classifier=all"])
+    algo = Fed2(cfg, 10, (1, 8, 8))
+    server = Stub(cfg)
+    server.algorithm = algo
+    algo.setup(server)
+    before = cpu_state(algo.model)
+    assert not any(k.startswith("head.") for k in algo.row_groups) and algo.row_groups  # features still paired
+    results = [ClientResult(cid, n, {"weights": {k: (v + cid + 1 if v.is_floating_point() else v)
+                                                 for k, v in before.items()}, "group_samples": held}, {"loss": 1.0})
+               for cid, (n, held) in enumerate([(10, [10, 0, 0, 0, 0]), (30, [0, 30, 0, 0, 0])])]
+    algo.aggregate(1, iter(results))
+    after = algo.model.state_dict()
+    head = "head.heads.4.weight"  # group 4: nobody holds its classes, yet both clients' updates count
+    assert torch.allclose(after[head], before[head] + (10 * 1 + 30 * 2) / 40)
+
+
 def test_the_nx5_partition_gives_every_node_exactly_five_classes():
     from raysim.data.partition import make_partition
 

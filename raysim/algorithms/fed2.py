@@ -43,6 +43,7 @@ class Fed2Config:
     allocation: str = "blocks"  # classes to groups: blocks (C/G consecutive classes) | round_robin
     norm: str = "group"  # the network's normalisation: group (the paper) | batch | none
     buffers: str = "paired"  # grouped BatchNorm statistics: paired (with their group) | plain (sample mean)
+    classifier: str = "paired"  # the decoupled classifier: paired (the paper) | all (averaged over every client)
 
 
 def groupable_models() -> list[str]:
@@ -62,7 +63,7 @@ class Fed2(FedAvg):
         if not (c.layers >= 2 and c.groups >= 2):
             raise ConfigError(f"fed2.layers and fed2.groups must be >= 2, got {c.layers} and {c.groups}")
         for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS),
-                             ("buffers", ("paired", "plain"))):
+                             ("buffers", ("paired", "plain")), ("classifier", ("paired", "all"))):
             if c[key] not in allowed:
                 raise ConfigError(f"fed2.{key} must be one of {', '.join(allowed)}, got {c[key]!r}")
         clash = [k for k in STRUCTURE if k in cfg.model_options]
@@ -79,7 +80,10 @@ class Fed2(FedAvg):
     # ---- server ----
     def setup(self, server: Server) -> None:
         super().setup(server)
-        self.row_groups = self.model.parameter_groups(buffers=self.cfg.fed2.buffers == "paired")
+        rows = self.model.parameter_groups(buffers=self.cfg.fed2.buffers == "paired")
+        if self.cfg.fed2.classifier == "all":  # group logits also learn from the clients without their classes
+            rows = {k: v for k, v in rows.items() if not k.startswith("head.")}
+        self.row_groups = rows
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
         mean, loss_sum, held = GroupWeightedMean(self.row_groups), 0.0, 0
