@@ -17,6 +17,20 @@ averaging.
 
 Defaults are the paper's: L = 6 layers, G = 10 groups, GroupNorm. No public code of the
 authors was found; the statement follows the paper (Sec. 4-5) and ../shared/ALGORITHMS.md.
+
+Options beyond the paper, from measurements (VGG-9 on digits, 10 nodes x 5 classes, SGD
+lr 0.02 momentum 0.9; benchmarks/fed2_accuracy.py):
+- `fed2.buffers`: a grouped layer's BatchNorm statistics are averaged with their group
+  (`paired`, default: statistics from the clients whose weights they normalise) or by the
+  plain sample mean (`plain`). Both gave Fed2+BN 29-49 % final accuracy at this lr.
+- `fed2.classifier`: `paired` (the paper) or `all`. Pairing throws away what the clients
+  without group g's classes teach group g's logit: that it should be low on their data.
+  Measured on the test set, the mean logit of the classes a sample is *not* is 9.2 under
+  Fed2+GN and 17.0 under Fed2+BN (round 14, rising), against 0.03 for FedAvg on the same
+  grouped network. With GroupNorm this stays stable (98.4 % vs FedAvg+GN's 98.7 %); with
+  BatchNorm at lr 0.02 the local training loss climbs from 0.2 to hundreds after round
+  10 (at lr 0.005 Fed2+BN trains to 97-98 %). `all` averages the decoupled classifier over
+  every client (only the grouped feature layers are paired).
 """
 from __future__ import annotations
 
