@@ -83,35 +83,40 @@ def test_group_weighted_mean_is_the_hand_computed_mean_per_group_and_keeps_unhel
 
 
 class Stub:
-    def __init__(self, cfg):
-        self.cfg = cfg
+    """The one Server call Fed2's setup makes: a seeded network from the algorithm."""
+
+    def __init__(self, algo):
+        self.algorithm = algo
 
     def new_model(self):
         torch.manual_seed(0)
         return self.algorithm.build_model((1, 8, 8))
 
 
-def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
-    cfg = load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.norm=batch", "fed2.groups=5"])
-    algo = Fed2(cfg, 10, (1, 8, 8))
-    server = Stub(cfg)
-    server.algorithm = algo
-    algo.setup(server)
-    before = cpu_state(algo.model)
+def fed2_after_setup(*overrides):
+    """Fed2 on 8x8 inputs and 10 classes with 5 groups, set up; its model's state before any round."""
+    algo = Fed2(load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", *overrides]), 10, (1, 8, 8))
+    algo.setup(Stub(algo))
+    return algo, cpu_state(algo.model)
+
+
+def client_results(before, clients):
+    """ClientResults whose weights are `before` + (cid + 1), with (samples, samples per group) each."""
+    return [ClientResult(cid, n, {"weights": {k: (v + cid + 1 if v.is_floating_point() else v) for k, v in before.items()},
+                                  "group_samples": held}, {"loss": 1.0}) for cid, (n, held) in enumerate(clients)]
+
+
+def test_fed2_pairs_groups_over_their_holders_shared_buffers_take_the_plain_mean():
+    algo, before = fed2_after_setup("fed2.norm=batch")
     rows = algo.row_groups
     key = next(k for k in rows if k.startswith("head."))  # group 0's classifier block
     bn = next(k for k in before if k.endswith("running_mean"))
     shared = "encoder.0.0.weight"
     assert shared not in rows
-    sent = []
-    for cid, (n, held) in enumerate([(10, [10, 0, 0, 0, 0]), (30, [20, 10, 0, 0, 0])]):
-        state = {k: (v + cid + 1 if v.is_floating_point() else v) for k, v in before.items()}
-        sent.append(state)
-        algo_result = ClientResult(cid, n, {"weights": state, "group_samples": held}, {"loss": 1.0})
-        sent[-1] = (algo_result, state)
-    metrics = algo.aggregate(1, iter(r for r, _ in sent))
+    results = client_results(before, [(10, [10, 0, 0, 0, 0]), (30, [20, 10, 0, 0, 0])])
+    metrics = algo.aggregate(1, iter(results))
     after = algo.model.state_dict()
-    (_, s0), (_, s1) = sent
+    s0, s1 = (r.update["weights"] for r in results)
     assert torch.allclose(after[shared], (10 * s0[shared] + 30 * s1[shared]) / 40)  # FedAvg
     assert torch.allclose(after[bn], (10 * s0[bn] + 30 * s1[bn]) / 40)  # a shared layer's buffer: plain mean
     g0 = rows[key] == 0
@@ -127,16 +132,9 @@ def test_fed2_pairs_groups_over_their_holders_and_buffers_take_the_plain_mean():
 
 
 def test_classifier_all_averages_the_decoupled_classifier_over_every_client():
-    cfg = load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", "fed2.classifier=all"])
-    algo = Fed2(cfg, 10, (1, 8, 8))
-    server = Stub(cfg)
-    server.algorithm = algo
-    algo.setup(server)
-    before = cpu_state(algo.model)
+    algo, before = fed2_after_setup("fed2.classifier=all")
     assert not any(k.startswith("head.") for k in algo.row_groups) and algo.row_groups  # features still paired
-    results = [ClientResult(cid, n, {"weights": {k: (v + cid + 1 if v.is_floating_point() else v)
-                                                 for k, v in before.items()}, "group_samples": held}, {"loss": 1.0})
-               for cid, (n, held) in enumerate([(10, [10, 0, 0, 0, 0]), (30, [0, 30, 0, 0, 0])])]
+    results = client_results(before, [(10, [10, 0, 0, 0, 0]), (30, [0, 30, 0, 0, 0])])
     algo.aggregate(1, iter(results))
     after = algo.model.state_dict()
     head = "head.heads.4.weight"  # group 4: nobody holds its classes, yet both clients' updates count
