@@ -7,7 +7,6 @@ import torch
 
 from raysim.algorithm import Client
 from raysim.config import load_config
-from raysim.models import build_model
 from raysim.registry import ALGORITHMS
 from raysim.training import parameter_names
 
@@ -21,9 +20,12 @@ class BNServer:
     input_shape = SHAPE
     input_range = (-1.0, 1.0)
 
+    def __init__(self, algo):
+        self.algo = algo
+
     def new_model(self):
         torch.manual_seed(0)
-        return build_model("resnet8", SHAPE, CLASSES)
+        return self.algo.build_model(SHAPE)  # the configured ResNet-8, or MOON's network on it
 
 
 def client_data():
@@ -32,22 +34,17 @@ def client_data():
     return [(0.3 * torch.randn(n, *SHAPE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)) for n in SIZES]
 
 
-def trained_net(algo, client):
-    """The network the client-side code trained (MOON trains its own projection network)."""
-    return algo._nets(client)[0] if hasattr(algo, "_nets") else client.model
-
-
 @pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavgm", "scaffold", "fednova", "moon", "fedrs", "fedlc"])
 def test_buffers_take_the_plain_weighted_mean(name):
     cfg = load_config(overrides=[f"algorithm={name}", "model=resnet8", "local.epochs=1", "local.batch_size=16",
                                  "local.lr=0.05", "num_clients=2"])
     algo = ALGORITHMS.get(name)(cfg, CLASSES, SHAPE)
-    algo.setup(BNServer())
+    algo.setup(BNServer(algo))
     global_model = next(iter(algo.eval_models().values()))
     params = parameter_names(global_model)
     buffer_keys = [k for k, v in global_model.state_dict().items() if k not in params and v.is_floating_point()]
     assert any(k.endswith("running_var") for k in buffer_keys)
-    scratch = build_model("resnet8", SHAPE, CLASSES)
+    scratch = algo.build_model(SHAPE)
     states = [{}, {}]
     for rnd in range(1, 5):
         payload = algo.broadcast(rnd)
@@ -56,7 +53,7 @@ def test_buffers_take_the_plain_weighted_mean(name):
             client = Client(cid, rnd, cfg, x, y, CLASSES, torch.device("cpu"), torch.Generator().manual_seed(rnd * 10 + cid),
                             states[cid], scratch, epochs=1)
             results.append(algo.client_update(client, payload))
-            net_state = trained_net(algo, client).state_dict()
+            net_state = client.model.state_dict()
             client_buffers.append({k: net_state[k].clone() for k in buffer_keys})
         algo.aggregate(rnd, iter(results))
         new = global_model.state_dict()
