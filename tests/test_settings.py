@@ -41,10 +41,11 @@ def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_pa
 
     _, cfg = check([], [f"{key}={name}", f"output_dir={tmp_path}"])
     prepare(cfg)
-    short = ["rounds=3"] + (["fedconcat.encoder_rounds=2"] if name.startswith("fedconcat") else [])
+    short = ["rounds=5" if name == "fed2" else "rounds=3"]  # Fed2's VGG-9 at lr 0.01 is above chance from round 4
+    short += ["fedconcat.encoder_rounds=2"] if name.startswith("fedconcat") else []
     assert main([f"{key}={name}", *short, f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert s["rounds"] == 3 and s["status"] == "finished"
+    assert s["rounds"] == int(short[0].split("=")[1]) and s["status"] == "finished"
     if not name.startswith("fedconcat"):  # its 1 classifier round of 3 steps is not meant to learn yet
         # above chance (0.1); runs are deterministic, so not flaky. Clustered FL (a model per
         # group) is judged on the clients' own test data: its global test set has no group.

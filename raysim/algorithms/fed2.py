@@ -30,7 +30,10 @@ lr 0.02 momentum 0.9; benchmarks/fed2_accuracy.py):
   grouped network. With GroupNorm this stays stable (98.4 % vs FedAvg+GN's 98.7 %); with
   BatchNorm at lr 0.02 the local training loss climbs from 0.2 to hundreds after round
   10 (at lr 0.005 Fed2+BN trains to 97-98 %). `all` averages the decoupled classifier over
-  every client (only the grouped feature layers are paired).
+  every client (only the grouped feature layers are paired). On the default digits run
+  (Dirichlet, 20 clients, 10 per round, 2 epochs, GroupNorm) at lr 0.02, `paired` swings
+  (0.91 at round 9, 0.11 at round 18, 0.94 at 30) where `all` climbs steadily to 0.99;
+  at lr 0.01 (this algorithm's config group) `paired` is steady too (0.97).
 """
 from __future__ import annotations
 
