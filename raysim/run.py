@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
     import ray
 
+    from raysim.launch import stop_requested
+
+    stop_requested.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, whose handler dumps a stack and aborts
+    previous_int = signal.signal(signal.SIGINT, _terminate) if _main_thread() else None
     try:
         summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
     except ConfigError as e:  # raised by the driver while checking the data, before anything is written
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         if started:
             ray.shutdown()  # the local Ray we started, its agents included
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
     if acc is None:
         print("no evaluation ran")
@@ -124,8 +130,18 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
 
 def _terminate(signum, frame):
-    """SIGTERM (a scheduler's or `kill`'s stop) ends the run as Ctrl-C does."""
+    """Ctrl-C and SIGTERM (a scheduler's or `kill`'s stop) end the run: the flag the round
+    loop checks (in case Ray's code swallows the exception), then the exception itself."""
+    from raysim.launch import stop_requested
+
+    stop_requested.set()
     raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":
