@@ -63,13 +63,18 @@ def _misfit(build, input_shape: tuple):
     return None
 
 
+def describe_partition(cfg: DictConfig) -> str:
+    """The partition and the settings it reads, e.g. 'dirichlet beta=0.5'."""
+    p = cfg.partition
+    return {"dirichlet": f"dirichlet beta={p.beta}", "quantity": f"quantity beta={p.beta}", "classes": f"classes k={p.k}",
+            "classes_power_law": f"classes_power_law k={p.k} sigma={p.sigma}",
+            "shards": f"shards {p.shards_per_client} per client", "power_law": f"power_law sigma={p.sigma}"}.get(p.name, p.name)
+
+
 def describe(cfg: DictConfig, num_clients: int) -> str:
     """The run in one paragraph: what is trained on what, and every setting that changes the
     experiment from plain synchronous rounds (selection, system heterogeneity, faults)."""
-    p = cfg.partition
-    part = {"dirichlet": f"dirichlet beta={p.beta}", "quantity": f"quantity beta={p.beta}", "classes": f"classes k={p.k}",
-            "classes_power_law": f"classes_power_law k={p.k} sigma={p.sigma}",
-            "shards": f"shards {p.shards_per_client} per client", "power_law": f"power_law sigma={p.sigma}"}.get(p.name, p.name)
+    part = describe_partition(cfg)
     parts = [f"{cfg.algorithm} with {cfg.selection} selection, model {cfg.model} on {cfg.dataset} ({part}), "
              f"{num_clients} clients, {clients_per_round(cfg)} per round, {cfg.rounds} rounds, seed {cfg.seed}"
              + (f", long-tailed training set IF={cfg.long_tail.imbalance:g}" if cfg.long_tail.imbalance > 1 else "")]

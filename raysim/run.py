@@ -14,6 +14,7 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 
 from raysim.config import ConfigError
 from raysim.errors import RunDiverged
@@ -32,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--list", action="store_true", help="list registered datasets, partitions, models, algorithms, selections")
     p.add_argument("--show-partition", action="store_true", help="print the per-client label-count table and exit")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="with --show-partition: also draw the per-client label counts into FILE (.png or .svg)")
     p.add_argument("--quiet", action="store_true", help="no start-up lines, no progress bar")
     return p
 
@@ -68,8 +71,20 @@ def _local(args, say) -> int:
         from raysim.data.partition import label_table
         from raysim.experiment import prepare
 
+        if args.plot is not None:
+            from raysim.results.plots import check_path
+
+            check_path(args.plot)
         data, part, n_classes = prepare(cfg)
         print(label_table(data.y_train, part, n_classes))
+        if args.plot is not None:
+            from raysim.data.partition import label_counts
+            from raysim.experiment import describe_partition
+            from raysim.results.plots import partition_figure
+
+            partition_figure(label_counts(data.y_train, part, n_classes), args.plot,
+                             f"{cfg.dataset}: {describe_partition(cfg)}, {len(part.train)} clients")
+            say(f"partition picture: {args.plot}")
     return 0
 
 
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
         if args.list:
             print(list_plugins(args.overrides))
             return 0
+        if args.plot is not None and not args.show_partition:
+            raise ConfigError("--plot FILE draws the partition: give it with --show-partition")
         if args.print_config or args.show_partition:
             return _local(args, say)
         layers, cfg = check(args.config, args.overrides, say)  # every check that needs no data, before Ray

@@ -1,0 +1,85 @@
+"""Pictures: a partition's per-client label counts (`--show-partition --plot FILE`) and
+metric curves of several runs (`python -m raysim.plot`). PNG or SVG by the file's suffix."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+FORMATS = (".png", ".svg")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def check_path(path: Path) -> None:
+    from raysim.config import ConfigError
+
+    if path.suffix.lower() not in FORMATS:
+        raise ConfigError(f"--plot {path}: the file must end in .png or .svg")
+    if not path.parent.exists():
+        raise ConfigError(f"--plot {path}: folder {path.parent} does not exist")
+
+
+def partition_figure(counts: np.ndarray, path: Path, title: str) -> Path:
+    """Top: a heat map of label counts (classes x clients; each client's column scaled to
+    its share, so skew is visible whatever the sizes). Bottom: each client's samples as a
+    bar stacked by class. Clients beyond 200 are shown as the first 200."""
+    plt = _pyplot()
+    n_clients, n_classes = counts.shape
+    shown = counts[:200]
+    shares = shown / np.maximum(shown.sum(1, keepdims=True), 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, min(16.0, 0.08 * len(shown) + 5)), 7),
+                                      sharex=True, layout="constrained")
+    im = top.imshow(shares.T, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest",
+                    extent=(-0.5, len(shown) - 0.5, n_classes - 0.5, -0.5))
+    top.set_ylabel("class")
+    top.set_title("share of each class in a client's training data", fontsize=9, loc="left")
+    fig.colorbar(im, ax=[top, bottom], fraction=0.03, pad=0.01, label="share (top panel)")
+    cmap = plt.get_cmap("tab20" if n_classes > 10 else "tab10")
+    bottom_acc = np.zeros(len(shown))
+    for c in range(n_classes):
+        bottom.bar(np.arange(len(shown)), shown[:, c], bottom=bottom_acc, width=1.0,
+                   color=cmap(c % cmap.N), label=str(c) if n_classes <= 20 else None)
+        bottom_acc += shown[:, c]
+    from matplotlib.ticker import MaxNLocator
+
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.set_xlabel("client" + (f" (first 200 of {n_clients})" if n_clients > 200 else ""))
+    bottom.set_ylabel("training samples")
+    bottom.set_title("samples per client, stacked by class", fontsize=9, loc="left")
+    if n_classes <= 20:
+        bottom.legend(title="class", fontsize=7, title_fontsize=7, ncol=n_classes, loc="lower center",
+                      bbox_to_anchor=(0.5, 1.08), frameon=False, handlelength=1, columnspacing=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, title: Optional[str] = None) -> Path:
+    """One line per entry of `series` ({"label", "x", "mean", "low", "high"}), with a band
+    between low and high (mean +- std over seeds) where there are several seeds."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for s in series:
+        (line,) = ax.plot(s["x"], s["mean"], label=s["label"], linewidth=1.5)
+        if s.get("low") is not None:
+            ax.fill_between(s["x"], s["low"], s["high"], color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
