@@ -29,3 +29,55 @@ def test_a_bad_plot_request_gets_one_line(tmp_path, capfd, args, says):
     assert main([*args, "--quiet"]) == 2
     err = capfd.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def four_runs(ray_local, tmp_path_factory):
+    """2 algorithms x 2 seeds of a tiny problem, as run directories under one folder."""
+    root = tmp_path_factory.mktemp("runs")
+    for algorithm in ("fedavg", "fedprox"):
+        for seed in (0, 1):
+            assert main([f"algorithm={algorithm}", f"seed={seed}", "model=mclr", "rounds=3", "num_clients=6",
+                         f"output_dir={root}", f"run_name={algorithm}-{seed}", "--quiet"]) == 0
+    return root
+
+
+def test_the_table_cells_are_the_mean_and_std_of_the_runs_summaries(four_runs, capsys):
+    import json
+    import statistics
+
+    from raysim.table import main as table
+
+    assert table([str(four_runs), "--cols", "algorithm", "--rows", "dataset", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "dataset,fedavg,fedprox" and lines[1].startswith("digits,")
+    for algorithm, cell in zip(("fedavg", "fedprox"), lines[1].split(",")[1:]):
+        values = [100 * json.loads((four_runs / f"{algorithm}-{s}" / "summary.json").read_text())["final_accuracy"]
+                  for s in (0, 1)]
+        assert cell == f"{statistics.mean(values):.1f} +- {statistics.stdev(values):.1f}"
+    assert table([str(four_runs), "--metric", "accuracy@2", "--format", "latex"]) == 0
+    out = capsys.readouterr().out
+    assert r"\begin{tabular}" in out and r"$\pm$" in out
+
+
+def test_a_table_over_an_unknown_key_or_metric_says_which(four_runs, capfd):
+    from raysim.table import main as table
+
+    assert table([str(four_runs), "--rows", "partition.betta"]) == 2
+    assert "'partition.betta' is not a config key of these runs; did you mean partition.beta" in capfd.readouterr().err
+    assert table([str(four_runs), "--metric", "final_acc"]) == 2
+    assert "--metric final_acc: no run has it" in capfd.readouterr().err
+
+
+def test_plots_are_valid_png_and_svg_with_one_line_per_algorithm(four_runs, tmp_path):
+    from raysim.plot import main as plot, series
+
+    lines = series([four_runs], "accuracy", "round")
+    assert sorted(s["label"] for s in lines) == ["algorithm=fedavg (2 seeds)", "algorithm=fedprox (2 seeds)"]
+    assert all(len(s["x"]) == 3 and s["low"] is not None for s in lines)
+    for fmt in ("png", "svg"):
+        assert plot([str(four_runs), "--x", "round", "bytes", "seconds", "--out", str(tmp_path / "p"),
+                     "--format", fmt]) == 0
+        for axis in ("round", "bytes", "seconds"):
+            data = (tmp_path / f"p_{axis}.{fmt}").read_bytes()
+            assert len(data) > 10_000 and (data[:4] == b"\x89PNG" if fmt == "png" else b"<svg" in data[:2000])

@@ -66,11 +66,14 @@ def partition_figure(counts: np.ndarray, path: Path, title: str) -> Path:
 
 def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, title: Optional[str] = None) -> Path:
     """One line per entry of `series` ({"label", "x", "mean", "low", "high"}), with a band
-    between low and high (mean +- std over seeds) where there are several seeds."""
+    between low and high (mean +- std over seeds) where there are several seeds. The
+    legend goes under the axes, long labels wrapped."""
+    import textwrap
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.3 * len(series)), layout="constrained")
     for s in series:
-        (line,) = ax.plot(s["x"], s["mean"], label=s["label"], linewidth=1.5)
+        (line,) = ax.plot(s["x"], s["mean"], label="\n".join(textwrap.wrap(s["label"], 90)), linewidth=1.5)
         if s.get("low") is not None:
             ax.fill_between(s["x"], s["low"], s["high"], color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel(x_label)
@@ -78,8 +81,7 @@ def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, ti
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(fontsize=7, loc="outside lower center", ncol=1, frameon=False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,117 @@
+"""`python -m raysim.table PATH...`: a paper-style table of finished runs.
+
+PATH: run directories or folders holding them (a sweep directory). Rows and columns are
+config keys (`--rows dataset,partition.name --cols algorithm`, the papers' layout); runs
+that share a cell (seeds) give "mean +- std". `--metric`: any summary.json field
+(`final_accuracy`, default; `best_accuracy`, `last10_mean_accuracy`, `final_local_accuracy`,
+...) or `NAME@R`, per-round metric NAME at round R (`accuracy@50`). Accuracies are shown in
+percent. `--format`: markdown (default), csv, latex; `--out FILE` writes it there too.
+
+    python -m raysim.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from pathlib import Path
+
+from raysim.config import ConfigError
+from raysim.results.runs import check_keys, differing_keys, find_runs, mean_std
+
+
+def _keys(text: str | None) -> list[str]:
+    return [k for k in (text or "").split(",") if k]
+
+
+def build(paths: list, rows: list[str] | None, cols: list[str] | None, metric: str) -> tuple[list, list, dict, dict]:
+    """(row labels, column labels, {(row, col): cell text}, {(row, col): number of runs})."""
+    runs = find_runs(paths)
+    varying = differing_keys(runs)
+    if cols is None:
+        cols = ["algorithm"] if "algorithm" in varying else []
+    if rows is None:
+        rows = [k for k in varying if k not in cols]
+    check_keys(runs, rows + cols)
+    if all(r.value(metric) is None for r in runs):
+        raise ConfigError(f"--metric {metric}: no run has it; summary fields: {', '.join(sorted(runs[0].summary))}, "
+                          f"or NAME@ROUND of metrics.parquet's columns")
+    percent = "accuracy" in metric
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        key = (tuple(str(r.config.get(k)) for k in rows), tuple(str(r.config.get(k)) for k in cols))
+        v = r.value(metric)
+        groups.setdefault(key, [])
+        if v is not None:
+            groups[key].append(100 * v if percent else v)
+    row_labels = sorted({k[0] for k in groups}, key=_natural)
+    col_labels = sorted({k[1] for k in groups}, key=_natural)
+    cells, counts = {}, {}
+    for key, values in groups.items():
+        counts[key] = len(values)
+        if values:
+            m, s = mean_std(values)
+            cells[key] = f"{m:.1f} +- {s:.1f}" if percent else f"{m:.4g} +- {s:.2g}"
+        else:
+            cells[key] = "-"
+    return [rows, row_labels], [cols, col_labels], cells, counts
+
+
+def _natural(labels: tuple) -> tuple:
+    out = []
+    for x in labels:
+        try:
+            out.append((0, float(x), ""))
+        except ValueError:
+            out.append((1, 0.0, x))
+    return tuple(out)
+
+
+def render(rows, cols, cells, fmt: str) -> str:
+    row_keys, row_labels = rows
+    col_keys, col_labels = cols
+    head = [" / ".join(row_keys) or "run"] + [", ".join(c) or "value" for c in col_labels]
+    body = [[", ".join(r) or "all"] + [cells.get((r, c), "") for c in col_labels] for r in row_labels]
+    if fmt == "csv":
+        out = io.StringIO()
+        csv.writer(out).writerows([head, *body])
+        return out.getvalue()
+    if fmt == "latex":
+        esc = lambda t: t.replace("_", r"\_").replace("+-", r"$\pm$")  # noqa: E731
+        lines = [r"\begin{tabular}{l" + "c" * (len(head) - 1) + "}", r"\toprule",
+                 " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
+        lines += [" & ".join(esc(c) for c in row) + r" \\" for row in body]
+        return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body]) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raysim.table", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", help="run directories or folders holding them")
+    p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "
+                                  "between the runs, but the columns' and the seed)")
+    p.add_argument("--cols", help="config keys for the columns (default: algorithm, when it differs)")
+    p.add_argument("--metric", default="final_accuracy")
+    p.add_argument("--format", choices=["markdown", "csv", "latex"], default="markdown")
+    p.add_argument("--out", type=Path, help="also write the table to this file")
+    args = p.parse_args(argv)
+    try:
+        rows, cols, cells, counts = build(args.paths, _keys(args.rows) if args.rows is not None else None,
+                                          _keys(args.cols) if args.cols is not None else None, args.metric)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = render(rows, cols, cells, args.format)
+    print(text, end="")
+    n = sorted(set(counts.values()))
+    print(f"{args.metric}, mean +- std over {'/'.join(map(str, n))} run(s) per cell", file=sys.stderr)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
