@@ -151,10 +151,12 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet) -> dict:
+def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
+           driver_name: str = "raysim-server") -> dict:
     """Start the driver actor on this node (it writes the run directory here), or take the
     one a finished run of this session left (`ray.reuse_workers`, runtime/pool.py), wait for
-    the client actors, run every round, return the summary."""
+    the client actors, run every round, return the summary. `driver_name`: the driver
+    actor's name (a sweep's points that run at once each have their own)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -166,7 +168,7 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
     if driver is None:
         here = ray.get_runtime_context().get_node_id()
         driver = ServerDriver.options(
-            name="raysim-server", scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            name=driver_name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote()
         say("starting the server: it loads and partitions the data while the client actors start")
     else:

@@ -81,3 +81,69 @@ def test_plots_are_valid_png_and_svg_with_one_line_per_algorithm(four_runs, tmp_
         for axis in ("round", "bytes", "seconds"):
             data = (tmp_path / f"p_{axis}.{fmt}").read_bytes()
             assert len(data) > 10_000 and (data[:4] == b"\x89PNG" if fmt == "png" else b"<svg" in data[:2000])
+
+
+SWEEP = ["seed=0,1", "algorithm=fedavg,fedprox", "model=mclr", "rounds=2", "num_clients=6"]
+
+
+def test_a_sweep_interrupted_after_its_first_point_skips_it_when_rerun(tmp_path):
+    """A 2 x 2 sweep in its own process, killed once its first point finished; the rerun
+    runs only the rest, and the table's cells are the four runs' summaries."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from raysim.table import main as table
+
+    args = [sys.executable, "-m", "raysim.sweep", *SWEEP, "--output-dir", str(tmp_path), "--name", "s"]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+                         start_new_session=True)
+    first = tmp_path / "s" / "seed=0,algorithm=fedavg" / "summary.json"
+    deadline = time.time() + 240
+    while not first.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert first.exists()
+    os.killpg(p.pid, signal.SIGKILL)  # the sweep and every process it started (its reaper stops its Ray)
+    p.wait()
+    stamp = first.stat().st_mtime_ns
+    r = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    done = int(r.stdout.split("points, ")[1].split(" done")[0])
+    assert done >= 1 and first.stat().st_mtime_ns == stamp  # the finished point was not run again
+    runs = sorted(d.name for d in (tmp_path / "s").iterdir() if (d / "summary.json").exists())
+    assert runs == ["seed=0,algorithm=fedavg", "seed=0,algorithm=fedprox", "seed=1,algorithm=fedavg",
+                    "seed=1,algorithm=fedprox"]
+    assert table([str(tmp_path / "s"), "--rows", "seed", "--cols", "algorithm", "--format", "csv",
+                  "--out", str(tmp_path / "t.csv")]) == 0
+    rows = (tmp_path / "t.csv").read_text().strip().splitlines()
+    for line in rows[1:]:
+        seed, *cells = line.split(",")
+        for algorithm, cell in zip(("fedavg", "fedprox"), cells):
+            s = json.loads((tmp_path / "s" / f"seed={seed},algorithm={algorithm}" / "summary.json").read_text())
+            assert cell == f"{100 * s['final_accuracy']:.1f} +- 0.0"
+
+
+def test_a_sweep_with_a_bad_key_fails_before_any_point_runs(tmp_path, capfd):
+    from raysim.sweep import main as sweep
+
+    assert sweep([*SWEEP, "fedprox.muu=1", "--output-dir", str(tmp_path), "--name", "bad"]) == 2
+    err = capfd.readouterr().err
+    assert "unknown config key 'fedprox.muu'" in err and err.count("\n") == 1
+    assert not (tmp_path / "bad").exists()
+    assert sweep(["seed=0,1", "algorithm=fedavg,fedfoo", "--output-dir", str(tmp_path), "--name", "bad"]) == 2
+    assert "algorithm='fedfoo' is not a known algorithm" in capfd.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_sweep_values_split_on_top_level_commas_and_a_file_says_the_same(tmp_path):
+    from raysim.sweep import parse, split_values
+
+    assert split_values("0,1,[2,3]") == ["0", "1", "[2,3]"]
+    f = tmp_path / "s.yaml"
+    f.write_text("name: x\nfixed: {rounds: 2}\ngrid: {seed: [0, 1], model_options.hidden: [[4], [8, 8]]}\n")
+    name, files, fixed, grid = parse([], f)
+    assert name == "x" and fixed == ["rounds=2"] and grid == {"seed": ["0", "1"], "model_options.hidden": ["[4]", "[8, 8]"]}
+    assert parse(["seed=0,1", "rounds=3"], None)[2:] == (["rounds=3"], {"seed": ["0", "1"]})

@@ -1,0 +1,205 @@
+"""`python -m raysim.sweep`: one experiment over a grid of config values, on Ray Tune.
+
+    python -m raysim.sweep seed=0,1,2 algorithm=fedavg,fedprox rounds=20 --name fedprox-check
+    python -m raysim.sweep --file configs/sweeps/fed2_ablation_digits.yaml
+
+A key with comma-separated values (outside [...]) is a grid axis, one value a fixed
+override; a sweep file says the same in YAML:
+
+    name: fedprox-check         # the sweep directory: <output_dir>/<name>
+    config: [configs/experiments/niid_bench_mnist_c2.yaml]   # --config files for every point
+    fixed: {rounds: 20}
+    grid: {seed: [0, 1, 2], algorithm: [fedavg, fedprox]}
+
+Every point is a normal run directory inside the sweep directory (named by its grid
+values), written by the same code as `python -m raysim.run`; `python -m raysim.table` and
+`python -m raysim.plot` read them. Every point's config is checked before the first one
+starts. The points run as Ray Tune trials, on the local Ray or the cluster of
+`ray.address`: several at once when `resources.num_actors` is set and the cluster's CPUs
+hold that many actors per point more than once, else one after another. Rerunning a sweep
+skips the points that finished; a point that was interrupted resumes from its checkpoint
+(or starts again if it wrote none).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from raysim.config import ConfigError
+
+
+def split_values(text: str) -> list[str]:
+    """'0,1,[2,3]' -> ['0', '1', '[2,3]']: commas inside brackets stay."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{" and 1 or (-1 if ch in "]}" else 0)
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
+def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, list[str], list[str], dict]:
+    """(name, config files, fixed overrides, grid {key: [value strings]})."""
+    name, files, fixed, grid = None, [], [], {}
+    if file is not None:
+        from omegaconf import OmegaConf
+
+        if not file.is_file():
+            raise ConfigError(f"sweep file {file} not found")
+        try:
+            spec = OmegaConf.to_container(OmegaConf.load(file))
+        except Exception as e:
+            raise ConfigError(f"sweep file {file} is not valid YAML: {str(e).splitlines()[0]}") from None
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid"}
+        if unknown:
+            raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
+                              f"fixed, grid")
+        name = spec.get("name")
+        files = list(spec.get("config") or [])
+        fixed = [f"{k}={json.dumps(v)}" for k, v in (spec.get("fixed") or {}).items()]
+        for k, values in (spec.get("grid") or {}).items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"sweep file {file}: grid.{k} must be a non-empty list of values")
+            grid[k] = [v if isinstance(v, str) else json.dumps(v) for v in values]
+    for o in args_overrides:
+        if "=" not in o:
+            raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
+        key, value = o.split("=", 1)
+        values = split_values(value)
+        if len(values) > 1:
+            grid[key] = values
+        else:
+            fixed.append(o)
+    if not grid:
+        raise ConfigError("no grid: give at least one key with several values (seed=0,1,2) or a sweep file's grid")
+    return name, files, fixed, grid
+
+
+def point_name(values: dict) -> str:
+    text = ",".join(f"{k.split('.')[-1]}={v}" for k, v in values.items())
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+
+
+def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
+    """Every point: its name, overrides and state (done / partial / new); each point's config
+    checked here, before anything runs."""
+    from raysim.config import read_layers, resolve
+
+    points = []
+    for combo in itertools.product(*grid.values()):
+        values = dict(zip(grid, combo))
+        name = point_name(values)
+        run_dir = sweep_dir / name
+        overrides = [*fixed, *(f"{k}={v}" for k, v in values.items()), f"output_dir={sweep_dir}", f"run_name={name}"]
+        summary = run_dir / "summary.json"
+        state = ("done" if summary.is_file() and json.loads(summary.read_text()).get("status") == "finished"
+                 else "partial" if run_dir.exists() else "new")
+        try:  # every check that needs no data (the run directory's own state is this sweep's business)
+            cfg = resolve(read_layers(files, overrides))
+        except ConfigError as e:
+            raise ConfigError(f"point {name}: {e}") from None
+        points.append({"name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
+                       "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor})
+    return points
+
+
+def run_point(point: dict, files: list, cwd: str) -> dict:
+    """One Tune trial: the point's run, as `python -m raysim.run` would do it, resumed from
+    its checkpoint when an earlier attempt left one."""
+    from raysim.launch import check, launch
+
+    os.chdir(cwd)  # Tune starts trials in their own folder; the sweep's paths are the caller's
+    run_dir = Path(point["run_dir"])
+    overrides = point["overrides"]
+    if run_dir.exists():
+        if (run_dir / "checkpoint.pt").is_file():
+            overrides, files = [f"resume={run_dir}"], []
+        else:
+            shutil.rmtree(run_dir)  # nothing to resume: start the point again
+    layers, cfg = check(files, overrides)
+    summary = launch(layers, cfg, time.time(), progress=False, driver_name=f"raysim-server.{point['name']}")
+    return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
+
+
+def _trial(params: dict) -> None:
+    from ray import tune
+
+    tune.report(run_point(params["point"], params["files"], params["cwd"]))
+
+
+def concurrency(points: list[dict]) -> int:
+    """How many points at once: the cluster's CPUs over a point's actors, when they are fixed."""
+    import ray
+
+    if any(p["actors"] is None for p in points):  # actors per CPU share: a point takes the whole cluster
+        return 1
+    need = [p["actors"] * (p["cpus"] or 1) for p in points]
+    return max(1, int(ray.cluster_resources().get("CPU", 1) // max(need)))
+
+
+def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print) -> Path:
+    from ray import tune
+
+    from raysim.launch import start_ray
+
+    sweep_dir = (output_dir / name).resolve()
+    points = plan(files, fixed, grid, sweep_dir)
+    todo = [p for p in points if p["state"] != "done"]
+    say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
+    if not todo:
+        return sweep_dir
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    from raysim.config import load_config
+
+    start_ray(load_config(files, fixed).ray)
+    at_once = concurrency(todo)
+    say(f"running {len(todo)} point(s) on Ray Tune, {at_once} at a time")
+    tuner = tune.Tuner(
+        tune.with_resources(_trial, {"cpu": 0, "memory": 1}),  # the point's actors reserve the CPUs
+        param_space={"point": tune.grid_search(todo), "files": files, "cwd": os.getcwd()},
+        tune_config=tune.TuneConfig(max_concurrent_trials=at_once),
+        run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir / ".tune"), verbose=0),
+    )
+    results = tuner.fit()
+    failed = [r for r in results if r.error is not None]
+    for r in failed:
+        say(f"point {r.config['point']['name']} failed: {str(r.error).splitlines()[-1][:200]}")
+    if failed:
+        raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")
+    return sweep_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raysim.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value (fixed) or key=v1,v2,... (a grid axis)")
+    p.add_argument("--file", type=Path, help="a sweep file (YAML: name, config, fixed, grid)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE", help="config file(s) for every point")
+    p.add_argument("--name", help="the sweep's folder name (default: from the grid keys)")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/sweeps"))
+    args = p.parse_args(argv)
+    try:
+        name, files, fixed, grid = parse(args.overrides, args.file)
+        name = args.name or name or "-".join(k.split(".")[-1] for k in grid)
+        if "/" in name or name in ("", ".", ".."):
+            raise ConfigError(f"--name {name!r} must be a plain folder name")
+        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"results: {sweep_dir}  (python -m raysim.table {sweep_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
