@@ -74,6 +74,11 @@ class EvalConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = False  # also log the per-round metrics to <run dir>/tensorboard (the `tensorboard` extra)
+
+
+@dataclass
 class LocalConfig:
     epochs: int = 1
     steps: int = 0  # > 0: this many SGD steps instead of `epochs` epochs
@@ -155,6 +160,7 @@ class Config:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     num_clients: int = 20
     clients_per_round: Optional[int] = None  # overrides participation when set
     participation: float = 0.5
@@ -375,7 +381,7 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
 
 
 # What may change when a run is resumed: how long it runs and where, not what it computes.
-RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume")
+RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume", "log")
 
 
 def resume_layers(run_dir: str, config_files: list, overrides: dict) -> Layers:
@@ -528,6 +534,11 @@ def validate(cfg: DictConfig) -> None:
                             and all(isinstance(h, int) and h >= 1 for h in hidden)),
          f"model_options.hidden must be a list of layer sizes >= 1, e.g. [128], got {hidden!r}")
     need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
+    if cfg.log.tensorboard:
+        import importlib.util
+
+        need(importlib.util.find_spec("tensorboard") is not None,
+             "log.tensorboard=true needs the tensorboard package: pip install 'raysim[tensorboard]' (or tensorboard)")
     need(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
     if cfg.clients_per_round is not None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,

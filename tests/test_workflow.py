@@ -147,3 +147,21 @@ def test_sweep_values_split_on_top_level_commas_and_a_file_says_the_same(tmp_pat
     name, files, fixed, grid = parse([], f)
     assert name == "x" and fixed == ["rounds=2"] and grid == {"seed": ["0", "1"], "model_options.hidden": ["[4]", "[8, 8]"]}
     assert parse(["seed=0,1", "rounds=3"], None)[2:] == (["rounds=3"], {"seed": ["0", "1"]})
+
+
+def test_tensorboard_logging_writes_every_round_metric(ray_local, tmp_path):
+    import pyarrow.parquet as pq
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(["model=mclr", "rounds=3", "num_clients=6", "log.tensorboard=true", f"output_dir={tmp_path}",
+                 "run_name=tb", "--quiet"]) == 0
+    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    events.Reload()
+    acc = [(e.step, e.value) for e in events.Scalars("accuracy")]
+    rows = pq.read_table(tmp_path / "tb" / "metrics.parquet").to_pylist()
+    assert [s for s, _ in acc] == [1, 2, 3]
+    assert all(abs(v - r["accuracy"]) < 1e-6 for (_, v), r in zip(acc, rows))
+    assert "train_loss" in events.Tags()["scalars"]
+    assert not (tmp_path / "off").exists()
+    assert main(["model=mclr", "rounds=1", "num_clients=6", f"output_dir={tmp_path}", "run_name=off", "--quiet"]) == 0
+    assert not (tmp_path / "off" / "tensorboard").exists()  # off by default

@@ -43,7 +43,7 @@ class RunWriter:
     """Writes one run directory. `resume_round`: reopen an existing one, keeping its
     metrics up to that round (the checkpoint's) and dropping any later ones."""
 
-    def __init__(self, run_dir: Path, config_yaml: str, resume_round: int | None = None):
+    def __init__(self, run_dir: Path, config_yaml: str, resume_round: int | None = None, tensorboard: bool = False):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=resume_round is not None)
         (self.dir / "config.yaml").write_text(config_yaml)
@@ -55,6 +55,11 @@ class RunWriter:
                 if (self.dir / name).is_file():
                     rows.extend(r for r in pq.read_table(self.dir / name).to_pylist() if r["round"] <= resume_round)
             self.log(f"resumed after round {resume_round}")
+        self.tb = None
+        if tensorboard:  # `tensorboard --logdir <output_dir>` shows every run's curves live
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     def log(self, line: str) -> None:
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -68,6 +73,11 @@ class RunWriter:
                 parts.append(f"{key}={row[key]:.4f}")
         parts.append(f"clients={row['clients']} dropped={row['dropped']} seconds={row['seconds']:.2f}")
         self.log(" ".join(parts))
+        if self.tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
+                    self.tb.add_scalar(key, value, row["round"])
+            self.tb.flush()
 
     def flush_tables(self) -> None:
         for rows, name in ((self.rows, "metrics.parquet"), (self.client_rows, "clients.parquet")):
@@ -85,3 +95,5 @@ class RunWriter:
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log("summary " + json.dumps(summary))
         self.log_file.close()
+        if self.tb is not None:
+            self.tb.close()

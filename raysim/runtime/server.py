@@ -111,7 +111,8 @@ class FederatedServer:
         ckpt, run_dir = self.ckpt, self.run_dir
         saved = self.cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
-        self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=ckpt["round"] if ckpt else None)
+        self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=ckpt["round"] if ckpt else None,
+                                tensorboard=bool(self.cfg.log.tensorboard))
         self.writer.log(f"{self.n_actors} client actors ({self.actor_needs} each) for {self.num_clients} clients"
                         + (f"; {self.reused} of them reused from an earlier run" if self.reused else ""))
         torch.manual_seed(int(self.cfg.seed))  # nothing of an earlier run in this process (runtime/pool.py)
