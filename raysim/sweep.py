@@ -11,6 +11,9 @@ override; a sweep file says the same in YAML:
     fixed: {rounds: 20}
     grid: {seed: [0, 1, 2], algorithm: [fedavg, fedprox]}
 
+A grid value that is a mapping is a set of overrides taken together, for axes whose values
+are not one key (`variant: [{algorithm: fed2}, {algorithm: fedavg, model_options.norm: group}]`).
+
 Every point is a normal run directory inside the sweep directory (named by its grid
 values), written by the same code as `python -m raysim.run`; `python -m raysim.table` and
 `python -m raysim.plot` read them. Every point's config is checked before the first one
@@ -54,8 +57,12 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
     if file is not None:
         from omegaconf import OmegaConf
 
-        if not file.is_file():
-            raise ConfigError(f"sweep file {file} not found")
+        from raysim.config import find_config
+
+        try:
+            file = Path(find_config(str(file)))  # configs/sweeps/x.yaml: the shipped file from any directory
+        except ConfigError:
+            raise ConfigError(f"sweep file {file} not found") from None
         try:
             spec = OmegaConf.to_container(OmegaConf.load(file))
         except Exception as e:
@@ -66,11 +73,13 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
                               f"fixed, grid")
         name = spec.get("name")
         files = list(spec.get("config") or [])
-        fixed = [f"{k}={json.dumps(v)}" for k, v in (spec.get("fixed") or {}).items()]
+        fixed = _dotted(spec.get("fixed") or {})
         for k, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"sweep file {file}: grid.{k} must be a non-empty list of values")
-            grid[k] = [v if isinstance(v, str) else json.dumps(v) for v in values]
+            # a value that is a mapping is a set of overrides taken together (an axis of variants)
+            grid[k] = [_dotted(v) if isinstance(v, dict) else v if isinstance(v, str) else json.dumps(v)
+                       for v in values]
     for o in args_overrides:
         if "=" not in o:
             raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
@@ -85,8 +94,26 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
     return name, files, fixed, grid
 
 
+def _dotted(node: dict, prefix: str = "") -> list[str]:
+    """{"local": {"lr": 0.1}} -> ["local.lr=0.1"]: overrides that set keys, not whole sections."""
+    out = []
+    for k, v in node.items():
+        out += _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={json.dumps(v)}"]
+    return out
+
+
+def _overrides(key: str, value) -> list[str]:
+    return list(value) if isinstance(value, list) else [f"{key}={value}"]
+
+
+def _shown(key: str, value) -> str:
+    if isinstance(value, list):  # a variant: its values, e.g. fed2+batch
+        return key.split(".")[-1] + "=" + "+".join(o.split("=", 1)[1].strip('"') for o in value)
+    return f"{key.split('.')[-1]}={value}"
+
+
 def point_name(values: dict) -> str:
-    text = ",".join(f"{k.split('.')[-1]}={v}" for k, v in values.items())
+    text = ",".join(_shown(k, v) for k, v in values.items())
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
@@ -100,7 +127,8 @@ def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
         values = dict(zip(grid, combo))
         name = point_name(values)
         run_dir = sweep_dir / name
-        overrides = [*fixed, *(f"{k}={v}" for k, v in values.items()), f"output_dir={sweep_dir}", f"run_name={name}"]
+        overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), f"output_dir={sweep_dir}",
+                     f"run_name={name}"]
         summary = run_dir / "summary.json"
         state = ("done" if summary.is_file() and json.loads(summary.read_text()).get("status") == "finished"
                  else "partial" if run_dir.exists() else "new")

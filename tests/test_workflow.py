@@ -165,3 +165,16 @@ def test_tensorboard_logging_writes_every_round_metric(ray_local, tmp_path):
     assert not (tmp_path / "off").exists()
     assert main(["model=mclr", "rounds=1", "num_clients=6", f"output_dir={tmp_path}", "run_name=off", "--quiet"]) == 0
     assert not (tmp_path / "off" / "tensorboard").exists()  # off by default
+
+
+def test_every_shipped_sweep_file_plans_points_that_pass_the_checks(tmp_path):
+    from pathlib import Path
+
+    from raysim.sweep import parse, plan
+
+    files = sorted((Path(__file__).resolve().parent.parent / "raysim" / "configs" / "sweeps").glob("*.yaml"))
+    assert files
+    for f in files:
+        name, configs, fixed, grid = parse([], f)
+        points = plan(configs, fixed, grid, tmp_path / name)
+        assert len(points) == int(np.prod([len(v) for v in grid.values()])) and len({p["name"] for p in points}) == len(points)
