@@ -4,8 +4,9 @@ PATH: run directories or folders holding them (a sweep directory). Rows and colu
 config keys (`--rows dataset,partition.name --cols algorithm`, the papers' layout); runs
 that share a cell (seeds) give "mean +- std". `--metric`: any summary.json field
 (`final_accuracy`, default; `best_accuracy`, `last10_mean_accuracy`, `final_local_accuracy`,
-...) or `NAME@R`, per-round metric NAME at round R (`accuracy@50`). Accuracies are shown in
-percent. `--format`: markdown (default), csv, latex; `--out FILE` writes it there too.
+...) or one of a per-round metric NAME: `NAME@R` (at round R, `accuracy@50`), `mean(NAME)`,
+`max(NAME)`, `last10(NAME)`, `round(NAME>=X)` (the first round reaching X: rounds to a
+target accuracy). Accuracies are shown in percent. `--format`: markdown (default), csv, latex; `--out FILE` writes it there too.
 
     python -m raysim.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
 """
@@ -37,24 +38,25 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metric: s
     if all(r.value(metric) is None for r in runs):
         raise ConfigError(f"--metric {metric}: no run has it; summary fields: {', '.join(sorted(runs[0].summary))}, "
                           f"or NAME@ROUND of metrics.parquet's columns")
-    percent = "accuracy" in metric
+    percent = "accuracy" in metric and not metric.startswith("round(")
     groups: dict[tuple, list] = {}
     for r in runs:
         key = (tuple(str(r.config.get(k)) for k in rows), tuple(str(r.config.get(k)) for k in cols))
         v = r.value(metric)
-        groups.setdefault(key, [])
-        if v is not None:
-            groups[key].append(100 * v if percent else v)
+        groups.setdefault(key, []).append(None if v is None else 100 * v if percent else v)
     row_labels = sorted({k[0] for k in groups}, key=_natural)
     col_labels = sorted({k[1] for k in groups}, key=_natural)
     cells, counts = {}, {}
-    for key, values in groups.items():
+    for key, got in groups.items():
+        values = [v for v in got if v is not None]
         counts[key] = len(values)
         if values:
             m, s = mean_std(values)
             cells[key] = f"{m:.1f} +- {s:.1f}" if percent else f"{m:.4g} +- {s:.2g}"
         else:
             cells[key] = "-"
+        if len(values) < len(got) and metric.startswith("round("):  # runs that never reach the target
+            cells[key] += f" ({len(got) - len(values)} never)"
     return [rows, row_labels], [cols, col_labels], cells, counts
 
 

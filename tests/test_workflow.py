@@ -178,3 +178,18 @@ def test_every_shipped_sweep_file_plans_points_that_pass_the_checks(tmp_path):
         name, configs, fixed, grid = parse([], f)
         points = plan(configs, fixed, grid, tmp_path / name)
         assert len(points) == int(np.prod([len(v) for v in grid.values()])) and len({p["name"] for p in points}) == len(points)
+
+
+def test_table_metrics_from_the_per_round_curve(four_runs):
+    import statistics
+
+    from raysim.results.runs import find_runs
+
+    for run in find_runs([four_runs]):
+        acc = [r["accuracy"] for r in run.rows]
+        assert run.value("accuracy@2") == acc[1]
+        assert run.value("max(accuracy)") == max(acc) and run.value("mean(accuracy)") == statistics.mean(acc)
+        assert run.value("last10(accuracy)") == statistics.mean(acc[-10:])
+        first = next(i + 1 for i, a in enumerate(acc) if a >= acc[1])
+        assert run.value(f"round(accuracy>={acc[1]})") == first
+        assert run.value("round(accuracy>=1.01)") is None

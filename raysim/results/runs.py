@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from raysim.config import ConfigError
+
+_FORM = re.compile(r"(?P<name>\w+)@(?P<at>\d+)|(?P<fn>mean|max|last10|round)\((?P<fname>\w+)(?:>=(?P<x>[-\d.e]+))?\)")
 
 # keys that differ between runs without making them different experiments
 INCIDENTAL = ("seed", "run_name", "output_dir", "resume", "data_dir", "download", "checkpoint_every", "ray.",
@@ -33,13 +36,24 @@ class Run:
         return self._rows
 
     def value(self, metric: str) -> Optional[float]:
-        """A summary field (`final_accuracy`, `best_accuracy`, `last10_mean_accuracy`, ...) or
-        `NAME@R`: per-round metric NAME at round R (`accuracy@50`)."""
-        if "@" in metric:
-            name, at = metric.split("@", 1)
-            row = next((r for r in self.rows if r["round"] == int(at)), None)
-            return None if row is None else row.get(name)
-        return self.summary.get(metric)
+        """A summary field (`final_accuracy`, `best_accuracy`, `last10_mean_accuracy`, ...),
+        or from the per-round metric NAME: `NAME@R` (at round R), `mean(NAME)`, `max(NAME)`,
+        `last10(NAME)` (mean of the last 10 values), `round(NAME>=X)` (the first round at
+        which NAME reaches X; None if it never does)."""
+        m = _FORM.fullmatch(metric)
+        if m is None:
+            return self.summary.get(metric)
+        if m["at"] is not None:
+            row = next((r for r in self.rows if r["round"] == int(m["at"])), None)
+            return None if row is None else row.get(m["name"])
+        name = m["fname"]
+        got = [(r["round"], r[name]) for r in self.rows if r.get(name) is not None]
+        if not got:
+            return None
+        values = [v for _, v in got]
+        if m["fn"] == "round":
+            return next((float(rnd) for rnd, v in got if v >= float(m["x"])), None)
+        return {"mean": statistics.mean, "max": max, "last10": lambda v: statistics.mean(v[-10:])}[m["fn"]](values)
 
 
 def flatten(node: Any, prefix: str = "") -> dict:
