@@ -54,7 +54,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist-t10k")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--write-split", type=Path, metavar="DATA_DIR",
+                   help="only write the 8,000 / 2,000 split under DATA_DIR/MNIST/raw (the MNIST sweep files' data_dir)")
     args = p.parse_args()
+    if args.write_split is not None:
+        write_split(args.mnist_dir, args.write_split)
+        print(f"written: {args.write_split / 'MNIST' / 'raw'}")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         write_split(args.mnist_dir, Path(tmp) / "data")
         common = ["dataset=mnist", f"data_dir={tmp}/data", "download=false", "model=cnn", "partition=dirichlet",
