@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from raysim.config import ConfigError, augmentation_name, clients_per_round
 from raysim.data.datasets import FederatedData, load_dataset, num_classes

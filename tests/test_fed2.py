@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from raysim.algorithm import ClientResult
 from raysim.algorithms.fed2 import Fed2
-from raysim.config import ConfigError, load_config
+from raysim.config import load_config
 from raysim.models import build_model
 from raysim.models.layered import class_groups
 from raysim.run import main
