@@ -37,7 +37,7 @@ VARIANTS = {  # name: overrides (the paper's Fig. 12 ablation)
     "fed2+bn": ["algorithm=fed2", "fed2.norm=batch", "fed2.layers=6", "fed2.groups=10"],
     "fed2+gn": ["algorithm=fed2", "fed2.norm=group", "fed2.layers=6", "fed2.groups=10"],
     # ours, not the paper's: the decoupled classifier averaged over every client (fed2.classifier=all)
-    "fed2+gn/cls-all": ["algorithm=fed2", "fed2.norm=group", "fed2.layers=6", "fed2.groups=10", "fed2.classifier=all"],
+    "fed2+gn-clsall": ["algorithm=fed2", "fed2.norm=group", "fed2.layers=6", "fed2.groups=10", "fed2.classifier=all"],
 }
 
 
