@@ -129,9 +129,8 @@ def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
         run_dir = sweep_dir / name
         overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), f"output_dir={sweep_dir}",
                      f"run_name={name}"]
-        summary = run_dir / "summary.json"
-        state = ("done" if summary.is_file() and json.loads(summary.read_text()).get("status") == "finished"
-                 else "partial" if run_dir.exists() else "new")
+        # a summary means the run ended (finished, or diverged: a result too, not retried)
+        state = "done" if (run_dir / "summary.json").is_file() else "partial" if run_dir.exists() else "new"
         try:  # every check that needs no data (the run directory's own state is this sweep's business)
             cfg = resolve(read_layers(files, overrides))
         except ConfigError as e:
