@@ -34,6 +34,9 @@ lr 0.02 momentum 0.9; benchmarks/fed2_accuracy.py):
   (Dirichlet, 20 clients, 10 per round, 2 epochs, GroupNorm) at lr 0.02, `paired` swings
   (0.91 at round 9, 0.11 at round 18, 0.94 at 30) where `all` climbs steadily to 0.99;
   at lr 0.01 (this algorithm's config group) `paired` is steady too (0.97).
+On the MNIST split with half the 10 nodes per round (20 rounds, lr 0.01) Fed2+GN ends at
+89.8 % against FedAvg+GN's 98.1 %, swinging between rounds (best 96.8 %): a group is
+averaged over the round's one or two holders of its classes only.
 """
 from __future__ import annotations
 
