@@ -6,7 +6,8 @@ channel or unit) and every class j: the class-preference entry f_n[j] = mean ove
 samples of class j of sum over positions of A_n * dp_j/dA_n, with A_n the layer's output
 after its activation (ReLU), and p_j class j's confidence: its logit (default; the softmax
 probability saturates on confident samples, p(1 - p) -> 0, and couples every class to
-every logit) or, with --confidence softmax, the probability (the model in eval mode). Entries can be negative (a neuron that is evidence against a class: common under a decoupled
+every logit) or, with --confidence softmax, the probability (the model in eval mode).
+Entries can be negative (a neuron that is evidence against a class: common under a decoupled
 classifier), so strength is |f_n[j]|: a neuron's primary class is argmax_j |f_n[j]|, and a
 layer's feature total variance is TV = mean over its neurons of ||u_n - mean u||^2 with
 u_n = |f_n| / || |f_n| || (unit vectors, so TV is in [0, 1 - 1/C] and layers of different
@@ -137,7 +138,7 @@ def draw(prefs: dict[str, np.ndarray], rows: list[dict], path: Path, title: str)
     plt.close(fig)
 
 
-def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int) -> list[dict]:
+def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, confidence: str = "logit") -> list[dict]:
     from raysim.config import load_config
     from raysim.data.datasets import load_dataset
     from raysim.registry import ALGORITHMS
@@ -159,7 +160,7 @@ def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int) -> l
         raise ConfigError(f"{model_file} holds no model of the run's network ({cfg.algorithm}, {cfg.model})")
     model.load_state_dict(state)
     prefs = class_preferences(model, torch.from_numpy(data.x_test), torch.from_numpy(data.y_test),
-                              data.num_classes, per_class)
+                              data.num_classes, per_class, confidence)
     rows = layer_table(model, prefs)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "layers.csv", "w", newline="") as f:
@@ -183,9 +184,12 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="config overrides for the data, e.g. data_dir=...")
     p.add_argument("--out", type=Path, help="output folder (default RUN_DIR/analysis)")
     p.add_argument("--per-class", type=int, default=100, help="test samples per class (default 100)")
+    p.add_argument("--confidence", choices=["logit", "softmax"], default="logit",
+                   help="what a class's confidence is: its logit (default) or its softmax probability")
     args = p.parse_args(argv)
     try:
-        rows = analyse(args.run_dir, args.overrides, args.out or args.run_dir / "analysis", args.per_class)
+        rows = analyse(args.run_dir, args.overrides, args.out or args.run_dir / "analysis", args.per_class,
+                       args.confidence)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
