@@ -12,8 +12,9 @@ averaging.
 - Feature paired averaging (`aggregate`): shared layers by the sample-weighted mean (FedAvg);
   group g's parameters by the mean over the clients holding group g's classes, weighted by
   those samples; a group no selected client holds keeps its value. Built on the general
-  `training.GroupWeightedMean` (per-parameter-group weights). Buffers (BatchNorm statistics)
-  take the plain sample-weighted mean, as every server rule here.
+  `training.GroupWeightedMean` (per-parameter-group weights). Buffers of shared layers take
+  the plain sample-weighted mean; a grouped layer's BatchNorm statistics go with their
+  group (`fed2.buffers`, below), so they describe the weights they normalise.
 
 Defaults are the paper's: L = 6 layers, G = 10 groups, GroupNorm. No public code of the
 authors was found; the statement follows the paper (Sec. 4-5) and ../shared/ALGORITHMS.md.
@@ -51,7 +52,7 @@ from raysim.algorithms.fedavg import FedAvg
 from raysim.config import ConfigError
 from raysim.models import build_model, layered, model_option_defaults
 from raysim.registry import ALGORITHMS, MODELS
-from raysim.training import GroupWeightedMean, cpu_state, local_sgd
+from raysim.training import GroupWeightedMean
 
 STRUCTURE = ("groups", "grouped_layers", "allocation", "norm")  # the model options fed2.* sets
 
@@ -106,23 +107,22 @@ class Fed2(FedAvg):
         self.row_groups = rows
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        mean, loss_sum, held = GroupWeightedMean(self.row_groups), 0.0, 0
+        mean, loss_sum, held = GroupWeightedMean(self.row_groups), 0.0, set()
         for r in results:
             mean.add(r.update["weights"], r.num_samples, r.update["group_samples"])
             loss_sum += r.metrics["loss"] * r.num_samples
-            held |= sum(1 << g for g, n in enumerate(r.update["group_samples"]) if n > 0)
+            held |= {g for g, n in enumerate(r.update["group_samples"]) if n > 0}
         new = mean.result(self.model.state_dict())
         if new is None:  # every client dropped out: keep the model
             return {}
         self.model.load_state_dict(new)
-        return {"train_loss": loss_sum / mean.total, "groups_held": bin(held).count("1")}
+        return {"train_loss": loss_sum / mean.total, "groups_held": len(held)}
 
     # ---- client ----
     def client_update(self, client: Client, payload: dict) -> ClientResult:
-        model = client.model
-        model.load_state_dict(payload["weights"])
-        stats = local_sgd(client, model, self.local_loss(client, payload))
-        groups = model.class_group.to(client.y.device)
+        """FedAvg's update, plus the client's samples of each group's classes."""
+        result = super().client_update(client, payload)
+        groups = client.model.class_group.to(client.y.device)
         group_samples = torch.bincount(groups[client.y], minlength=int(self.cfg.fed2.groups))
-        return ClientResult(client.cid, client.num_samples,
-                            {"weights": cpu_state(model), "group_samples": group_samples.tolist()}, stats)
+        result.update = {"weights": result.update, "group_samples": group_samples.tolist()}
+        return result
