@@ -2,11 +2,16 @@
 
 PATH: run directories or folders holding them (a sweep directory). Rows and columns are
 config keys (`--rows dataset,partition.name --cols algorithm`, the papers' layout); runs
-that share a cell (seeds) give "mean +- std". `--metric`: any summary.json field
-(`final_accuracy`, default; `best_accuracy`, `last10_mean_accuracy`, `final_local_accuracy`,
-...) or one of a per-round metric NAME: `NAME@R` (at round R, `accuracy@50`), `mean(NAME)`,
-`max(NAME)`, `last10(NAME)`, `round(NAME>=X)` (the first round reaching X: rounds to a
-target accuracy). Accuracies are shown in percent. `--format`: markdown (default), csv, latex; `--out FILE` writes it there too.
+that share a cell (seeds) give "mean +- std" (sample std). `--metric`: any summary.json field
+(`final_accuracy`, default; `best_accuracy`, `last10_mean_accuracy`, `wall_seconds`, ...) or
+a per-round metric NAME of metrics.parquet (`accuracy`, `loss`, `mib`: cumulative traffic):
+`NAME@R` (at round R), `NAME@XMiB` (at the last round within X MiB: equal communication),
+`mean(NAME)`, `max(NAME)`, `min(NAME)`, `lastK(NAME)` (mean of the last K values),
+`round(NAME>=X)` (first round reaching X: rounds to a target; "never" counts the runs that do
+not); `last10(accuracy@1174MiB)` limits a function to the curve within the budget. Several
+`--metric`s: one column each. Accuracies are shown in percent; a cell says how many of its
+runs diverged (their curves end early). `--format`: markdown (default), csv, latex; `--out
+FILE` writes it there too.
 
     python -m raysim.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
 """
@@ -19,36 +24,44 @@ import sys
 from pathlib import Path
 
 from raysim.config import ConfigError
-from raysim.results.runs import check_keys, differing_keys, find_runs, mean_std
+from raysim.results.runs import METRICS_HELP, check_keys, differing_keys, find_runs, mean_std, parse_metric
 
 
 def _keys(text: str | None) -> list[str]:
     return [k for k in (text or "").split(",") if k]
 
 
-def build(paths: list, rows: list[str] | None, cols: list[str] | None, metric: str) -> tuple[list, list, dict, dict]:
-    """(row labels, column labels, {(row, col): cell text}, {(row, col): number of runs})."""
+def build(paths: list, rows: list[str] | None, cols: list[str] | None, metrics: list[str]) -> tuple[list, list, dict, dict]:
+    """(row labels, column labels, {(row, col): cell text}, {(row, col): number of runs}).
+    With several metrics, each column is repeated per metric (the metric is the last column key)."""
     runs = find_runs(paths)
+    for metric in metrics:
+        parse_metric(metric)
     varying = differing_keys(runs)
     if cols is None:
         cols = ["algorithm"] if "algorithm" in varying else []
     if rows is None:
         rows = [k for k in varying if k not in cols]
     check_keys(runs, rows + cols)
-    if all(r.value(metric) is None for r in runs):
-        raise ConfigError(f"--metric {metric}: no run has it; summary fields: {', '.join(sorted(runs[0].summary))}, "
-                          f"or NAME@ROUND of metrics.parquet's columns")
-    percent = "accuracy" in metric and not metric.startswith("round(")
+    for metric in metrics:
+        if all(r.value(metric) is None for r in runs):
+            raise ConfigError(f"--metric {metric}: no run has it; summary fields: {', '.join(sorted(runs[0].summary))}, "
+                              f"or a form of metrics.parquet's columns ({METRICS_HELP})")
     groups: dict[tuple, list] = {}
     for r in runs:
-        key = (tuple(str(r.config.get(k)) for k in rows), tuple(str(r.config.get(k)) for k in cols))
-        v = r.value(metric)
-        groups.setdefault(key, []).append(None if v is None else 100 * v if percent else v)
+        row = tuple(str(r.config.get(k)) for k in rows)
+        for metric in metrics:
+            col = tuple(str(r.config.get(k)) for k in cols) + ((metric,) if len(metrics) > 1 else ())
+            groups.setdefault((row, col), []).append((r, metric, r.value(metric)))
     row_labels = sorted({k[0] for k in groups}, key=_natural)
-    col_labels = sorted({k[1] for k in groups}, key=_natural)
+    col_labels = sorted({k[1][:len(cols)] for k in groups}, key=_natural)
+    if len(metrics) > 1:
+        col_labels = [c + (m,) for c in col_labels for m in metrics]
     cells, counts = {}, {}
     for key, got in groups.items():
-        values = [v for v in got if v is not None]
+        metric = got[0][1]
+        percent = "accuracy" in metric and not metric.startswith("round(")
+        values = [100 * v if percent else v for _, _, v in got if v is not None]
         counts[key] = len(values)
         if values:
             m, s = mean_std(values)
@@ -57,7 +70,10 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metric: s
             cells[key] = "-"
         if len(values) < len(got) and metric.startswith("round("):  # runs that never reach the target
             cells[key] += f" ({len(got) - len(values)} never)"
-    return [rows, row_labels], [cols, col_labels], cells, counts
+        diverged = sum(r.summary.get("status") == "diverged" for r, _, _ in got)
+        if diverged:  # their curves end early: the cell is not over the whole run
+            cells[key] += f" ({diverged} diverged)"
+    return [rows, row_labels], [cols + (["metric"] if len(metrics) > 1 else []), col_labels], cells, counts
 
 
 def _natural(labels: tuple) -> tuple:
@@ -96,20 +112,22 @@ def main(argv=None) -> int:
     p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "
                                   "between the runs, but the columns' and the seed)")
     p.add_argument("--cols", help="config keys for the columns (default: algorithm, when it differs)")
-    p.add_argument("--metric", default="final_accuracy")
+    p.add_argument("--metric", action="append", help="what each cell shows (default final_accuracy); several "
+                   "--metric options: one column per metric. " + METRICS_HELP)
     p.add_argument("--format", choices=["markdown", "csv", "latex"], default="markdown")
     p.add_argument("--out", type=Path, help="also write the table to this file")
     args = p.parse_args(argv)
     try:
         rows, cols, cells, counts = build(args.paths, _keys(args.rows) if args.rows is not None else None,
-                                          _keys(args.cols) if args.cols is not None else None, args.metric)
+                                          _keys(args.cols) if args.cols is not None else None,
+                                          args.metric or ["final_accuracy"])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = render(rows, cols, cells, args.format)
     print(text, end="")
     n = sorted(set(counts.values()))
-    print(f"{args.metric}, mean +- std over {'/'.join(map(str, n))} run(s) per cell", file=sys.stderr)
+    print(f"{', '.join(args.metric or ['final_accuracy'])}: mean +- std over {'/'.join(map(str, n))} run(s) per cell", file=sys.stderr)
     if args.out:
         args.out.write_text(text)
     return 0

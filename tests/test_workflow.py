@@ -193,3 +193,29 @@ def test_table_metrics_from_the_per_round_curve(four_runs):
         first = next(i + 1 for i, a in enumerate(acc) if a >= acc[1])
         assert run.value(f"round(accuracy>={acc[1]})") == first
         assert run.value("round(accuracy>=1.01)") is None
+
+
+def test_equal_communication_and_several_metrics_in_one_table(four_runs, capsys):
+    """NAME@XMiB reads a curve at the last round within X MiB of traffic (down + up, the
+    runtime's count), lastK(NAME@XMiB) its last K values there; several --metric options give
+    one column each."""
+    import statistics
+
+    from raysim.results.runs import find_runs
+    from raysim.table import main as table
+
+    run = find_runs([four_runs / "fedavg-0"])[0]
+    mib = [(r["bytes_down"] + r["bytes_up"]) / 2**20 for r in run.rows]
+    acc = [r["accuracy"] for r in run.rows]
+    budget = (mib[1] + mib[2]) / 2  # between rounds 2 and 3
+    assert run.value(f"accuracy@{budget}MiB") == acc[1]
+    assert run.value(f"last2(accuracy@{budget}MiB)") == statistics.mean(acc[:2])
+    assert run.value("max(mib)") == mib[-1] and run.value("accuracy@9") is None  # the run has 3 rounds
+    assert table([str(four_runs), "--rows", "dataset", "--metric", "last2(accuracy)", "--metric", "max(mib)",
+                  "--format", "csv"]) == 0
+    head, row = capsys.readouterr().out.strip().splitlines()
+    assert head == "dataset,\"fedavg, last2(accuracy)\",\"fedavg, max(mib)\",\"fedprox, last2(accuracy)\",\"fedprox, max(mib)\""
+    assert row.split(",")[2] == f"{mib[-1]:.4g} +- 0"  # same traffic for every seed
+    assert table([str(four_runs), "--metric", "last10(accuracy>=0.5)"]) == 2
+    assert table([str(four_runs), "--metric", "mean(accuracy"]) == 2
+    assert "is not understood" in capsys.readouterr().err

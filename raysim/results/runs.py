@@ -12,7 +12,25 @@ from typing import Any, Iterable, Optional
 
 from raysim.config import ConfigError
 
-_FORM = re.compile(r"(?P<name>\w+)@(?P<at>\d+)|(?P<fn>mean|max|last10|round)\((?P<fname>\w+)(?:>=(?P<x>[-\d.e]+))?\)")
+_FORM = re.compile(r"(?:(?P<fn>mean|max|min|last(?P<k>\d+)|round)\()?(?P<name>\w+)"
+                   r"(?:@(?P<at>\d+(?:\.\d*)?)(?P<mib>MiB)?)?(?:>=(?P<x>[-+\d.e]+))?(?(fn)\))")
+METRICS_HELP = ("a summary field (final_accuracy, best_accuracy, last10_mean_accuracy, wall_seconds, ...) or a "
+                "per-round metric NAME (accuracy, loss, mib, ...) as NAME@R (at round R), NAME@XMiB (at the last "
+                "round within X MiB communicated), mean(NAME), max(NAME), min(NAME), lastK(NAME) (mean of the last "
+                "K values), round(NAME>=X) (first round reaching X); a function's NAME may carry @R or @XMiB")
+
+
+def parse_metric(metric: str) -> Optional[re.Match]:
+    """None for a summary field; the parts of a per-round form; ConfigError if malformed."""
+    m = _FORM.fullmatch(metric)
+    if m is None:
+        if not re.fullmatch(r"\w+", metric):
+            raise ConfigError(f"--metric {metric!r} is not understood; it is {METRICS_HELP}")
+        return None
+    if (m["fn"] == "round") != (m["x"] is not None):
+        raise ConfigError(f"--metric {metric!r}: '>=X' goes with round(NAME>=X) only")
+    return None if m["fn"] is None and m["at"] is None else m
+
 
 # keys that differ between runs without making them different experiments
 INCIDENTAL = ("seed", "run_name", "output_dir", "resume", "data_dir", "download", "checkpoint_every", "ray.",
@@ -28,33 +46,38 @@ class Run:
 
     @property
     def rows(self) -> list[dict]:
-        """metrics.parquet, one dict per round (read on first use)."""
+        """metrics.parquet, one dict per round (read on first use), plus `mib`."""
         if self._rows is None:
             import pyarrow.parquet as pq
 
             self._rows = pq.read_table(self.path / "metrics.parquet").to_pylist()
+            for r in self._rows:  # cumulative traffic, down + up, in MiB
+                r["mib"] = (r.get("bytes_down", 0) + r.get("bytes_up", 0)) / 2**20
         return self._rows
 
     def value(self, metric: str) -> Optional[float]:
-        """A summary field (`final_accuracy`, `best_accuracy`, `last10_mean_accuracy`, ...),
-        or from the per-round metric NAME: `NAME@R` (at round R), `mean(NAME)`, `max(NAME)`,
-        `last10(NAME)` (mean of the last 10 values), `round(NAME>=X)` (the first round at
-        which NAME reaches X; None if it never does)."""
-        m = _FORM.fullmatch(metric)
+        """The number `metric` names for this run (see METRICS_HELP); None if the run has none."""
+        m = parse_metric(metric)
         if m is None:
             return self.summary.get(metric)
-        if m["at"] is not None:
-            row = next((r for r in self.rows if r["round"] == int(m["at"])), None)
-            return None if row is None else row.get(m["name"])
-        name = m["fname"]
-        got = [(r["round"], r[name]) for r in self.rows if r.get(name) is not None]
+        rows = self.rows
+        if m["at"] is not None and not m["mib"] and rows and rows[-1]["round"] < float(m["at"]):
+            return None  # the run ended (diverged) before round R
+        if m["at"] is not None:  # the curve up to a round, or up to a communication budget
+            limit = float(m["at"])
+            rows = [r for r in rows if (r["mib"] if m["mib"] else r["round"]) <= limit]
+        got = [(r["round"], r[m["name"]]) for r in rows if r.get(m["name"]) is not None]
         if not got:
             return None
         values = [v for _, v in got]
-        if m["fn"] == "round":
+        fn = m["fn"]
+        if fn is None:
+            return values[-1]
+        if fn == "round":
             return next((float(rnd) for rnd, v in got if v >= float(m["x"])), None)
-        return {"mean": statistics.mean, "max": max, "last10": lambda v: statistics.mean(v[-10:])}[m["fn"]](values)
-
+        if fn.startswith("last"):
+            return statistics.mean(values[-int(m["k"]):])
+        return {"mean": statistics.mean, "max": max, "min": min}[fn](values)
 
 def flatten(node: Any, prefix: str = "") -> dict:
     if isinstance(node, dict):
