@@ -107,8 +107,10 @@ def _overrides(key: str, value) -> list[str]:
 
 
 def _shown(key: str, value) -> str:
-    if isinstance(value, list):  # a variant: its values, e.g. fed2+batch
-        return key.split(".")[-1] + "=" + "+".join(o.split("=", 1)[1].strip('"') for o in value)
+    if isinstance(value, list):  # a variant: its first value, then key=value: fed2+norm=batch
+        parts = [o.split("=", 1) for o in value]
+        shown = [parts[0][1].strip('"')] + [f"{k.split('.')[-1]}={v.strip(chr(34))}" for k, v in parts[1:]]
+        return key.split(".")[-1] + "=" + "+".join(shown)
     return f"{key.split('.')[-1]}={value}"
 
 
@@ -135,6 +137,8 @@ def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
             cfg = resolve(read_layers(files, overrides))
         except ConfigError as e:
             raise ConfigError(f"point {name}: {e}") from None
+        if any(p["name"] == name for p in points):
+            raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
         points.append({"name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
                        "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor})
     return points

@@ -219,3 +219,12 @@ def test_equal_communication_and_several_metrics_in_one_table(four_runs, capsys)
     assert table([str(four_runs), "--metric", "last10(accuracy>=0.5)"]) == 2
     assert table([str(four_runs), "--metric", "mean(accuracy"]) == 2
     assert "is not understood" in capsys.readouterr().err
+
+
+def test_two_grid_points_with_one_folder_name_are_refused(tmp_path):
+    from raysim.config import ConfigError
+    from raysim.sweep import plan
+
+    same = ["algorithm=fedavg", "model=mclr"]
+    with pytest.raises(ConfigError, match="share the folder name"):
+        plan([], [], {"variant": [same, list(same)]}, tmp_path)
