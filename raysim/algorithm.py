@@ -156,6 +156,24 @@ class Algorithm:
     def client_update(self, client: Client, payload: Any) -> ClientResult:
         raise NotImplementedError
 
+    def client_update_cohort(self, clients: list[Client], payload: Any) -> list[ClientResult]:
+        """`client_update` of a group of clients as one batched program (`local.vectorize`,
+        raysim/vectorized.py): the same results up to float rounding. An algorithm that does
+        not provide it trains one client at a time and refuses the option."""
+        raise NotImplementedError
+
+    @classmethod
+    def vectorizes(cls) -> bool:
+        """Whether this class's `client_update_cohort` stands for its client update: it must
+        be defined at or below every class that defines `client_update` or `local_loss` (a
+        subclass that changes the loss, e.g. MOON, does not inherit FedAvg's vectorised path)."""
+        def definer(name: str):
+            return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+        cohort = definer("client_update_cohort")
+        return cohort is not Algorithm and all(
+            d is None or issubclass(cohort, d) for d in map(definer, ("client_update", "local_loss")))
+
 
 class Selection:
     """A client-selection strategy. `setup` may gather client information once (e.g. label

@@ -89,6 +89,8 @@ class LocalConfig:
     lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
     augment: Any = False  # false | colour (= true; FedEntOpt's) | crop_flip (NIID-Bench's): see raysim/data/augment.py
     focal_gamma: float = 0.0  # > 0: the focal loss instead of cross-entropy (algorithms that train on the plain loss)
+    vectorize: bool = False  # train groups of clients as one batched program (raysim/vectorized.py)
+    vectorize_group: int = 64  # clients per group, cut from the sorted cohort by client id
 
 
 @dataclass
@@ -583,6 +585,15 @@ def validate(cfg: DictConfig) -> None:
     except ValueError:
         raise ConfigError(f"local.augment must be one of false, true, {', '.join(AUGMENTATIONS)}; "
                           f"got {loc.augment!r}") from None
+    if loc.vectorize:
+        need(loc.vectorize_group >= 1, f"local.vectorize_group must be >= 1, got {loc.vectorize_group}")
+        if not registry.ALGORITHMS.get(cfg.algorithm).vectorizes():
+            takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).vectorizes()]
+            raise ConfigError(f"local.vectorize: algorithm {cfg.algorithm!r} trains its clients one at a time; "
+                              f"vectorised: {', '.join(takes)}")
+        need(augmentation_name(loc.augment) == "none",
+             f"local.vectorize does not combine with local.augment={loc.augment} (its random draws interleave with "
+             "the batch order): set local.augment=false or local.vectorize=false")
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")

@@ -49,6 +49,12 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         raise ConfigError(f"model={cfg.model!r}{f' ({cfg.algorithm} adapts it)' if own else ''} does not fit dataset "
                           f"{cfg.dataset!r} with inputs {data.input_shape} ({problem}); models that fit: "
                           f"{', '.join(fit) or 'none'}")
+    if cfg.local.vectorize:
+        buffers = [n for n, _ in algorithm.build_model(data.input_shape).named_buffers()]
+        if buffers:
+            raise ConfigError(f"local.vectorize: model={cfg.model!r} keeps buffers ({buffers[0]}, ...: BatchNorm "
+                              "statistics), which a vectorised group cannot update per client; use a model without "
+                              "BatchNorm (model_options.norm=group where the model has it) or local.vectorize=false")
     return data, part, n_classes
 
 

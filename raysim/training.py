@@ -21,20 +21,36 @@ def cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return F.cross_entropy(model(x), y)
 
 
-def focal_loss(gamma: float) -> LossFn:
-    """Focal loss (Lin et al. 2017): mean of -(1 - p_y)^gamma log p_y; gamma = 0 is cross-entropy.
-    Any algorithm can train with it (`local_loss`); Fed-Focal is FedAvg with it."""
-    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logp = F.log_softmax(model(x), dim=1).gather(1, y[:, None]).squeeze(1)
-        return (-(1 - logp.exp()) ** gamma * logp).mean()
+def cross_entropy_per_sample(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def focal_per_sample(gamma: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """-(1 - p_y)^gamma log p_y for each sample (Lin et al. 2017); gamma = 0 is cross-entropy."""
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(logits, dim=1).gather(1, y[:, None]).squeeze(1)
+        return -(1 - logp.exp()) ** gamma * logp
 
     return loss
+
+
+def focal_loss(gamma: float) -> LossFn:
+    """Focal loss: the batch mean of `focal_per_sample`. Any algorithm can train with it
+    (`local_loss`); Fed-Focal is FedAvg with it."""
+    per_sample = focal_per_sample(gamma)
+    return lambda model, x, y: per_sample(model(x), y).mean()
 
 
 def base_loss(local: DictConfig) -> LossFn:
     """The plain local loss: cross-entropy, or the focal loss with `local.focal_gamma > 0`."""
     gamma = float(local.get("focal_gamma", 0.0))
     return focal_loss(gamma) if gamma > 0 else cross_entropy
+
+
+def base_sample_loss(local: DictConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`base_loss` per sample, from the logits (vectorised cohorts mask and sum it)."""
+    gamma = float(local.get("focal_gamma", 0.0))
+    return focal_per_sample(gamma) if gamma > 0 else cross_entropy_per_sample
 
 
 def tau_normalised(model: torch.nn.Module, tau: float) -> torch.nn.Module:

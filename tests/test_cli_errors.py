@@ -12,6 +12,9 @@ CASES = [
     (["model=transformer"], "model='transformer' is not a known model"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
+    (["local.vectorize=true", "algorithm=moon"], "local.vectorize: algorithm 'moon' trains its clients one at a time; "
+                                                 "vectorised: ccvr, fedavg, fedavg_taunorm"),
+    (["local.vectorize=true", "local.augment=crop_flip"], "local.vectorize does not combine with local.augment=crop_flip"),
     (["participation=0"], "participation must be in (0, 1], got 0"),
     (["partition.beta=0"], "partition.beta must be > 0"),
 
@@ -50,6 +53,8 @@ def test_bad_input_the_server_finds_gives_one_clear_line(ray_local, tmp_path, ca
 # need data go that way); --show-partition makes the same ones (experiment.prepare) in the
 # CLI's own process, which tests them here without a Ray start each.
 DATA_CASES = [
+    (["local.vectorize=true", "model=vgg9", "model_options.norm=batch"],
+     "local.vectorize: model='vgg9' keeps buffers (encoder.0.1.running_mean"),
     (["partition=classes", "partition.k=11"], "partition.k=11 is more than the dataset's 10 classes"),
     (["num_clients=5000"], "num_clients=5000 is more than the 1437 training samples"),
     (["partition=natural"], "partition 'natural' needs a dataset with natural users"),

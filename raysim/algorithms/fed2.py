@@ -20,7 +20,7 @@ Defaults are the paper's: L = 6 layers, G = 10 groups, GroupNorm. No public code
 authors was found; the statement follows the paper (Sec. 4-5) and ../shared/ALGORITHMS.md.
 
 Options beyond the paper, from measurements (VGG-9 on digits, 10 nodes x 5 classes, SGD
-lr 0.02 momentum 0.9; benchmarks/fed2_accuracy.py):
+lr 0.02 momentum 0.9; configs/sweeps/fed2_ablation_digits.yaml):
 - `fed2.buffers`: a grouped layer's BatchNorm statistics are averaged with their group
   (`paired`, default: statistics from the clients whose weights they normalise) or by the
   plain sample mean (`plain`). Both gave Fed2+BN 29-49 % final accuracy at this lr.

@@ -2,12 +2,11 @@
 replaces it with the sample-weighted mean of the returned models."""
 from __future__ import annotations
 
-from typing import Iterator
-
+from typing import Callable, Iterator, Optional
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, base_loss, cpu_state, local_sgd
+from raysim.training import WeightedMean, base_loss, base_sample_loss, cpu_state, local_sgd
 
 
 @ALGORITHMS.register("fedavg")
@@ -49,3 +48,16 @@ class FedAvg(Algorithm):
         model.load_state_dict(payload["weights"])
         stats = local_sgd(client, model, self.local_loss(client, payload))
         return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
+
+    def client_update_cohort(self, clients: list[Client], payload: dict) -> list[ClientResult]:
+        return self.train_cohort(clients, payload)
+
+    def train_cohort(self, clients: list[Client], payload: dict, sample_loss: Optional[Callable] = None,
+                     penalty: Optional[Callable] = None) -> list[ClientResult]:
+        """FedAvg's client update for a group of clients at once (raysim/vectorized.py), with
+        a per-sample loss (default: `base_loss`'s) and a penalty on the weights (FedProx)."""
+        from raysim.vectorized import cohort_sgd
+
+        loss = sample_loss or base_sample_loss(clients[0].cfg.local)
+        states, stats = cohort_sgd(clients, clients[0].model, payload["weights"], loss, penalty=penalty)
+        return [ClientResult(c.cid, c.num_samples, s, st) for c, s, st in zip(clients, states, stats)]

@@ -10,7 +10,7 @@ from raysim.algorithm import Client
 from raysim.algorithms.fedavg import FedAvg
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import focal_loss
+from raysim.training import focal_loss, focal_per_sample
 
 
 @dataclass
@@ -30,3 +30,6 @@ class FedFocal(FedAvg):
 
     def local_loss(self, client: Client, payload: dict):
         return focal_loss(float(self.cfg.fedfocal.gamma))
+
+    def client_update_cohort(self, clients: list[Client], payload: dict) -> list:
+        return self.train_cohort(clients, payload, sample_loss=focal_per_sample(float(self.cfg.fedfocal.gamma)))

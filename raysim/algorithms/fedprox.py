@@ -40,3 +40,14 @@ class FedProx(FedAvg):
         names = [n for n, _ in client.model.named_parameters()]
         global_params = [payload["weights"][n].to(client.device) for n in names]
         return proximal_loss(float(self.cfg.fedprox.mu), global_params, base_loss(client.cfg.local))
+
+    def client_update_cohort(self, clients: list[Client], payload: dict) -> list:
+        mu = float(self.cfg.fedprox.mu)
+        device = clients[0].device
+        names = [n for n, p in clients[0].model.named_parameters() if p.requires_grad]
+        global_params = {n: payload["weights"][n].to(device) for n in names}
+
+        def proximal(params: dict):  # one client's weights (under vmap)
+            return 0.5 * mu * sum(((params[n] - g) ** 2).sum() for n, g in global_params.items())
+
+        return self.train_cohort(clients, payload, penalty=proximal)

@@ -32,7 +32,7 @@ import torch
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.config import ConfigError
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd, round_lr
+from raysim.training import WeightedMean, base_sample_loss, cpu_state, effective_steps, local_sgd, round_lr
 
 from raysim.algorithms.fedavg import FedAvg
 
@@ -107,11 +107,8 @@ class Scaffold(FedAvg):
         model = client.model
         model.load_state_dict(payload["weights"])
         params = dict(model.named_parameters())
-        c = {k: v.to(client.device) for k, v in payload["c"].items()}
-        c_i = {k: v.to(client.device) for k, v in client.state["c"].items()} if "c" in client.state \
-            else {k: torch.zeros_like(v) for k, v in c.items()}
-        correction = [(params[k], c[k] - c_i[k]) for k in c]
-        on_weights = self.cfg.scaffold.correction == "weights"
+        c_i = self.variate(client, payload)
+        correction = [(params[k], (payload["c"][k] - c_i[k]).to(client.device)) for k in c_i]
         lr = round_lr(client.cfg.local, client.round)
 
         def correct_gradients() -> None:  # g <- g - c_i + c, then the optimizer's step
@@ -124,17 +121,38 @@ class Scaffold(FedAvg):
             for p, d in correction:
                 p.add_(d, alpha=-lr)
 
+        on_weights = self.cfg.scaffold.correction == "weights"
         stats = local_sgd(client, model, self.local_loss(client, payload),
                           on_gradients=None if on_weights else correct_gradients,
                           after_step=correct_weights if on_weights else None)
-        x = {k: payload["weights"][k].to(client.device) for k in c}
-        y = {k: params[k].detach() for k in c}
+        return self.result(client, payload, c_i, cpu_state(model), stats)
+
+    def client_update_cohort(self, clients: list[Client], payload: dict) -> list[ClientResult]:
+        """The same for a group of clients at once (raysim/vectorized.py): client k's
+        correction c - c_k is its row of the stacked shift."""
+        from raysim.vectorized import cohort_sgd
+
+        c_is = [self.variate(client, payload) for client in clients]
+        shift = {k: torch.stack([payload["c"][k] - c_i[k] for c_i in c_is]).to(clients[0].device) for k in payload["c"]}
+        on_weights = self.cfg.scaffold.correction == "weights"
+        states, stats = cohort_sgd(clients, clients[0].model, payload["weights"], base_sample_loss(clients[0].cfg.local),
+                                   gradient_shift=None if on_weights else shift, weight_shift=shift if on_weights else None)
+        return [self.result(*args) for args in zip(clients, [payload] * len(clients), c_is, states, stats)]
+
+    @staticmethod
+    def variate(client: Client, payload: dict) -> dict:
+        """The client's c_i (zero before its first round)."""
+        return client.state.get("c") or {k: torch.zeros_like(v) for k, v in payload["c"].items()}
+
+    def result(self, client: Client, payload: dict, c_i: dict, state: dict, stats: dict) -> ClientResult:
+        """From the trained weights y (`state`, CPU): c_i+ (kept as client state) and the upload dy, dc."""
+        c, x = payload["c"], payload["weights"]
+        on_weights = self.cfg.scaffold.correction == "weights"
         steps = max(stats["steps"], 1)
         k = float(steps) if on_weights else effective_steps(steps, float(client.cfg.local.momentum))
-        c_new = control_variate_update(c_i, c, x, y, k, stats["lr"])
-        client.state["c"] = {k: v.cpu() for k, v in c_new.items()}
-        state = cpu_state(model)
-        update = {"dy": {k: state[k] - payload["weights"][k] for k in c},
-                  "dc": {k: (c_new[k] - c_i[k]).cpu() for k in c},
+        c_new = control_variate_update(c_i, c, x, state, k, stats["lr"])
+        client.state["c"] = c_new
+        update = {"dy": {k: state[k] - x[k] for k in c},
+                  "dc": {k: c_new[k] - c_i[k] for k in c},
                   "buffers": {k: v for k, v in state.items() if k not in c}}
         return ClientResult(client.cid, client.num_samples, update, stats)

@@ -66,8 +66,10 @@ class ClientActor:
         self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
-            group: int, payload, *states):
-        """Run `on.method(client, payload)` for each client in order.
+            group: int, cohorts: Optional[list[int]], payload, *states):
+        """Run `on.method(client, payload)` for each client in order, or, with `cohorts` (the
+        sizes of consecutive groups of `cids`, `local.vectorize`), `client_update_cohort` once
+        per group.
 
         Returns the results in lists of `group` (one object each: a few objects for many
         small updates, one per client for big ones) and, for a plugin with
@@ -82,39 +84,46 @@ class ClientActor:
         plugin = self.plugins[on]
         stateful = bool(getattr(plugin, "client_state", False))
         states = states if stateful else [None] * len(cids)
-        fn = getattr(plugin, method)
         payload = unpack(payload)
-        f = self.cfg.faults
         results, new_states = [], []
-        for cid, n_epochs, state in zip(cids, epochs, states):
-            if rnd == f.crash_round and cid == f.crash_client:
-                os._exit(1)  # injected fault: this worker process dies mid-round
-            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
-            seed = seed_for(int(self.cfg.seed), rnd, cid)
-            torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed(seed)
-            client = Client(
-                cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
-                device=self.device, generator=torch.Generator().manual_seed(seed),
-                state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
-            )
-            before = dict(client.state)  # holds the old values, so identity checks below are sound
+        for part in _split(list(zip(cids, epochs, states)), cohorts):
+            part = [self._client(rnd, *args) for args in part]  # built just before training: seeds torch's RNG
+            before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
-            result = fn(client, payload)
-            result.metrics.setdefault("seconds", time.perf_counter() - t0)
-            if stateful:
-                # a state the call did not touch is not sent back: the driver keeps its reference
-                # (big cached state, e.g. FedConcat's features, is not copied every round)
-                result.state_changed = (client.state.keys() != before.keys()
-                                        or any(client.state[k] is not v for k, v in before.items()))
-                new_states.append(pack(client.state) if client.state and result.state_changed else None)
-            results.append(pack(result))
-            if not stateful and client.state:
-                raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
-                                   "client_state = True, so the state would be lost")
+            if cohorts is None:
+                done = [getattr(plugin, method)(part[0], payload)]
+            else:
+                done = plugin.client_update_cohort(part, payload)
+            for client, result, old in zip(part, done, before):
+                result.metrics.setdefault("seconds", (time.perf_counter() - t0) / len(part))
+                if stateful:
+                    # a state the call did not touch is not sent back: the driver keeps its reference
+                    # (big cached state, e.g. FedConcat's features, is not copied every round)
+                    result.state_changed = (client.state.keys() != old.keys()
+                                            or any(client.state[k] is not v for k, v in old.items()))
+                    new_states.append(pack(client.state) if client.state and result.state_changed else None)
+                results.append(pack(result))
+                if not stateful and client.state:
+                    raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
+                                       "client_state = True, so the state would be lost")
         out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
         return tuple(out) if len(out) > 1 else out[0]
+
+    def _client(self, rnd: int, cid: int, n_epochs: int, state) -> Client:
+        """Client `cid` in round `rnd`: its shard, its generator seeded from (seed, round, cid)."""
+        f = self.cfg.faults
+        if rnd == f.crash_round and cid == f.crash_client:
+            os._exit(1)  # injected fault: this worker process dies mid-round
+        idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
+        seed = seed_for(int(self.cfg.seed), rnd, cid)
+        torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        return Client(
+            cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
+            device=self.device, generator=torch.Generator().manual_seed(seed),
+            state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
+        )
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
@@ -125,6 +134,14 @@ class ClientActor:
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
+
+
+def _split(items: list, sizes: Optional[list[int]]) -> list[list]:
+    """One item per part, or consecutive parts of the given sizes."""
+    if sizes is None:
+        return [[x] for x in items]
+    starts = np.cumsum([0, *sizes]).tolist()
+    return [items[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _warm_up(device: torch.device) -> None:

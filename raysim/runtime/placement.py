@@ -9,7 +9,7 @@ actor i (the literal one-process-per-client model). Results never depend on plac
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 from omegaconf import DictConfig
@@ -68,3 +68,17 @@ def assign(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_cl
     for c, a in zip(cids, chunk):
         out.setdefault(int(a), []).append(c)
     return sorted(out.items())
+
+
+def plan(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_client: bool,
+         vector_group: int = 0) -> list[tuple[int, list[int], Optional[list[int]]]]:
+    """(actor, its clients, the sizes of its vectorised groups or None) for each busy actor.
+    `vector_group` > 0 (`local.vectorize`): the sorted cohort is cut into groups of that many
+    clients by client id, and groups are placed whole, so a group's result does not depend on
+    how many actors there are."""
+    if not vector_group:
+        return [(a, chunk, None) for a, chunk in assign(cids, work, n_actors, one_per_client)]
+    cids = sorted(cids)
+    groups = [cids[i:i + vector_group] for i in range(0, len(cids), vector_group)]
+    units = assign(list(range(len(groups))), {i: sum(work[c] for c in g) for i, g in enumerate(groups)}, n_actors, False)
+    return [(a, [c for i in idx for c in groups[i]], [len(groups[i]) for i in idx]) for a, idx in units]

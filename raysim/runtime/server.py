@@ -191,14 +191,15 @@ class FederatedServer:
         if method == "client_update" and rnd == self.cfg.faults.crash_round and self.cfg.faults.crash_client not in cids:
             self.writer.log(f"round {rnd}: faults.crash_client={self.cfg.faults.crash_client} is not training "
                             "this round (not selected, or dropped out), so no actor crashes")
-        for a, chunk in placement.assign(cids, work, self.n_actors, self.one_per_client):
+        vector_group = int(self.cfg.local.vectorize_group) if method == "client_update" and self.cfg.local.vectorize else 0
+        for a, chunk, cohorts in placement.plan(cids, work, self.n_actors, self.one_per_client, vector_group):
             states = [self._states.get(c) for c in chunk] if stateful else []
             n_groups = -(-len(chunk) // group)
             n_returns = n_groups + len(states)
             data = None if a in self._attached else self.shared_data
             self._attached.add(a)
             refs = self.actors[a].run.options(num_returns=n_returns).remote(
-                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, payload_arg, *states)
+                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, cohorts, payload_arg, *states)
             refs = [refs] if n_returns == 1 else list(refs)
             calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
         self._timing["broadcast"] += time.perf_counter() - t0

@@ -1,0 +1,134 @@
+"""Vectorised cohorts (`local.vectorize=true`): local SGD of a group of clients as one
+batched program, instead of one client after another.
+
+Small models (MCLR, MLPs, the simple CNN) spend most of a client step in Python and
+dispatch, not arithmetic; training G clients at once pays that once per step for all G.
+`torch.func.vmap` over `torch.func.functional_call` runs the model with G stacked copies
+of its weights (leading dimension: the client), each on its own batch:
+
+- every client starts from its own weights (`start`: one state dict, or one per client),
+  draws its batches from its own generator exactly as `training.local_sgd` does (the same
+  permutations, the same order), and takes its own number of steps (stragglers, unequal
+  data): a client that has finished is masked (its weights stop changing) and a short last
+  batch is padded with masked samples, never with made-up data;
+- the optimizer is `training.SGD`'s arithmetic (weight decay, heavy-ball momentum) on the
+  stacked tensors;
+- gradients come from one backward pass over the sum of the clients' losses: client k's
+  loss depends only on its own weights, so d(sum)/dw_k = dL_k/dw_k. (`torch.func.grad`
+  would give the same, but it imports torch._dynamo: ~120 MB more in every actor.)
+
+Results equal the sequential path up to float rounding (a batch's loss is a masked sum
+over a count instead of a mean, and batched kernels add in another order); tested for
+FedAvg, FedProx and SCAFFOLD. A group's result depends only on its clients, and groups
+are cut from the sorted cohort by client id (`runtime.placement.plan`), never by actor, so any
+number of actors gives the same bits.
+
+Not supported, refused when the config is checked: models with buffers (BatchNorm's
+running statistics are updated in place, which vmap cannot do per client) and batch
+augmentation (its random draws interleave with the batch order).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from raysim.algorithm import Client
+from raysim.training import round_lr
+
+SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample
+
+
+def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The index batches `training.local_sgd` draws for a client with n samples: a new
+    permutation per epoch, `steps` > 0 steps instead of `epochs` epochs."""
+    out: list[torch.Tensor] = []
+    while True:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            out.append(perm[start:start + batch_size])
+            if steps and len(out) >= steps:
+                return out
+        epochs -= 1
+        if not steps and epochs <= 0:
+            return out
+
+
+def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list[dict], sample_loss: SampleLoss,
+               penalty: Optional[Callable[[dict], torch.Tensor]] = None,
+               gradient_shift: Optional[dict[str, torch.Tensor]] = None,
+               weight_shift: Optional[dict[str, torch.Tensor]] = None) -> tuple[list[dict], list[dict]]:
+    """Local SGD per `cfg.local` for every client in `clients` at once, on copies of `model`'s
+    structure. `start`: the weights every client starts from (one state dict), or one per
+    client. `penalty(params)`: added to a client's batch loss (FedProx's proximal term; under
+    vmap, `params` are that client's weights). `gradient_shift[name]` ([G, ...]) is added to
+    client k's gradient before the optimizer's step; `weight_shift[name]` ([G, ...]) is
+    subtracted, times lr, from its weights after each step (SCAFFOLD's two readings).
+    Returns each client's final state dict (CPU) and stats {"loss", "steps", "lr"}, as
+    `local_sgd` does."""
+    from torch.func import functional_call, vmap
+
+    loc = clients[0].cfg.local
+    device, g = clients[0].device, len(clients)
+    lr = round_lr(loc, clients[0].round)
+    momentum, decay, bs = float(loc.momentum), float(loc.weight_decay), int(loc.batch_size)
+    starts = start if isinstance(start, list) else [start] * g
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: torch.stack([s[n].to(device) for s in starts]).requires_grad_() for n in trainable}
+
+    # every client's batches, as rows of one tensor holding all the group's samples
+    x = torch.cat([c.x for c in clients])
+    y = torch.cat([c.y for c in clients])
+    offsets = torch.tensor([0] + [c.num_samples for c in clients]).cumsum(0).tolist()
+    batches = [batch_schedule(c.num_samples, bs, c.epochs, int(loc.steps), c.generator) for c in clients]
+    n_steps = [len(b) for b in batches]
+    t_max = max(n_steps)
+    index = torch.zeros(t_max, g, bs, dtype=torch.long)
+    weight = torch.zeros(t_max, g, bs)
+    for k, client_batches in enumerate(batches):
+        for t, idx in enumerate(client_batches):
+            index[t, k, :len(idx)] = idx + offsets[k]
+            index[t, k, len(idx):] = offsets[k]  # padding: a real sample, weighted 0
+            weight[t, k, :len(idx)] = 1.0
+    index, weight = index.to(device), weight.to(device)
+
+    def client_loss(p: dict, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        per_sample = sample_loss(functional_call(model, p, (xb,)), yb)
+        loss = (per_sample * wb).sum() / wb.sum().clamp(min=1.0)
+        return loss + penalty(p) if penalty is not None else loss
+
+    losses_of = vmap(client_loss)
+    buffers: dict[str, torch.Tensor] = {}
+    total = torch.zeros(g, dtype=torch.float64, device=device)
+    model.train()
+    for t in range(t_max):
+        wb = weight[t]
+        counts = wb.sum(1)
+        active = (counts > 0).to(wb.dtype)
+        losses = losses_of(params, x[index[t]], y[index[t]], wb)
+        grads = torch.autograd.grad(losses.sum(), [params[n] for n in trainable])
+        with torch.no_grad():
+            total += losses.detach().double() * counts.double()
+            for n, grad in zip(trainable, grads):
+                p = params[n]
+                shape = (g,) + (1,) * (p.dim() - 1)
+                if gradient_shift is not None:
+                    grad = grad + gradient_shift[n]
+                if decay:
+                    grad = grad.add(p, alpha=decay)
+                if momentum:
+                    buf = buffers.get(n)
+                    buf = buffers[n] = torch.clone(grad) if buf is None else buf.mul_(momentum).add_(grad)
+                    grad = buf
+                p.add_(grad * active.view(shape), alpha=-lr)
+                if weight_shift is not None:
+                    p.add_(weight_shift[n] * active.view(shape), alpha=-lr)
+    states, stats = [], []
+    frozen = {k: v for k, v in model.state_dict().items() if k not in params}
+    for k, c in enumerate(clients):
+        state = {name: (params[name][k] if name in params else starts[k].get(name, frozen.get(name)))
+                 for name in model.state_dict()}
+        states.append({name: v.detach().to("cpu", copy=True) for name, v in state.items()})
+        count = sum(len(b) for b in batches[k])
+        stats.append({"loss": float(total[k]) / max(count, 1), "steps": n_steps[k], "lr": lr})
+    return states, stats

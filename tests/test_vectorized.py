@@ -1,0 +1,88 @@
+"""Vectorised cohorts (`local.vectorize`, raysim/vectorized.py): a group of clients trained as
+one batched program gives the models the sequential path gives, client by client."""
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raysim.algorithm import Client
+from raysim.config import load_config
+from raysim.models import build_model
+from raysim.registry import ALGORITHMS
+from raysim.run import main
+from raysim.training import cpu_state
+
+SIZES = [7, 23, 50, 1]  # unequal: different step counts, short last batches, a client of one sample
+EPOCHS = [2, 2, 1, 3]  # a straggler's epochs differ too
+
+
+def clients_for(cfg, model, shape, seed=0, states=None):
+    torch.manual_seed(seed)
+    out = []
+    for k, (n, e) in enumerate(zip(SIZES, EPOCHS)):
+        x = torch.randn(n, *shape)
+        y = torch.randint(0, 10, (n,))
+        out.append(Client(k, 3, cfg, x, y, 10, torch.device("cpu"), torch.Generator().manual_seed(100 + k),
+                          dict(states[k]) if states else {}, model, epochs=e))
+    return out
+
+
+@pytest.mark.parametrize("algorithm, extra, model, shape", [
+    ("fedavg", [], "mlp", (1, 8, 8)),
+    ("fedavg", ["local.weight_decay=0.01", "local.lr_decay=0.9"], "cnn", (1, 28, 28)),
+    ("fedprox", ["fedprox.mu=0.5"], "mlp", (1, 8, 8)),
+    ("fedfocal", [], "mclr", (1, 8, 8)),
+    ("scaffold", [], "mlp", (1, 8, 8)),
+    ("scaffold", ["scaffold.correction=weights", "local.momentum=0"], "mlp", (1, 8, 8)),
+])
+def test_a_vectorised_group_trains_each_client_as_the_sequential_path(algorithm, extra, model, shape):
+    cfg = load_config([], [f"algorithm={algorithm}", f"model={model}", "local.batch_size=8", "local.lr=0.05",
+                           "local.momentum=0.9", *extra])
+    algo = ALGORITHMS.get(algorithm)(cfg, 10, shape)
+    net = build_model(model, shape, 10)
+    payload = {"weights": cpu_state(net)}
+    states = None
+    if algorithm == "scaffold":  # a server variate and clients' own variates, not all zero
+        g = torch.Generator().manual_seed(5)
+        payload["c"] = {n: 0.01 * torch.randn(p.shape, generator=g) for n, p in net.named_parameters()}
+        states = [{"c": {n: 0.01 * torch.randn(p.shape, generator=g) for n, p in net.named_parameters()}}
+                  if k % 2 else {} for k in range(len(SIZES))]
+    one_by_one = [algo.client_update(c, payload) for c in clients_for(cfg, net, shape, states=states)]
+    group = clients_for(cfg, net, shape, states=states)
+    together = algo.client_update_cohort(group, payload)
+    for seq, vec, client in zip(one_by_one, together, group):
+        assert vec.cid == seq.cid and vec.num_samples == seq.num_samples
+        assert vec.metrics["steps"] == seq.metrics["steps"] and vec.metrics["lr"] == seq.metrics["lr"]
+        assert vec.metrics["loss"] == pytest.approx(seq.metrics["loss"], rel=1e-5)
+        a = seq.update if algorithm != "scaffold" else {**seq.update["dy"], **seq.update["dc"]}
+        b = vec.update if algorithm != "scaffold" else {**vec.update["dy"], **vec.update["dc"]}
+        for k in a:
+            assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), (client.cid, k, (a[k] - b[k]).abs().max())
+        moved = (b[k] - payload["weights"][k]).abs().max() if algorithm != "scaffold" else b[k].abs().max()
+        assert moved > 1e-4  # the comparison is not between two untouched copies
+        if algorithm == "scaffold":
+            for k in client.state["c"]:
+                assert torch.allclose(client.state["c"][k], one_by_one[client.cid].update["dc"][k]
+                                      + (states[client.cid]["c"][k] if "c" in states[client.cid] else 0), atol=2e-5)
+
+
+def run(tmp_path, name, *args):
+    assert main(["model=mlp", "num_clients=30", "participation=0.5", "rounds=3", "local.epochs=2",
+                 "local.batch_size=16", "eval_every=1", "checkpoint_every=0", f"output_dir={tmp_path}",
+                 f"run_name={name}", "--quiet", *args]) == 0
+    return torch.load(tmp_path / name / "model.pt", weights_only=True), \
+        pq.read_table(tmp_path / name / "metrics.parquet").to_pylist()
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_vectorised_runs_are_bit_identical_for_any_number_of_actors_and_close_to_sequential(ray_local, tmp_path,
+                                                                                             algorithm):
+    vec = ["local.vectorize=true", "local.vectorize_group=4", f"algorithm={algorithm}"]
+    one, rows1 = run(tmp_path, "v1", *vec, "resources.num_actors=1")
+    three, rows3 = run(tmp_path, "v3", *vec, "resources.num_actors=3", "ray.reuse_workers=false")
+    seq, rows_seq = run(tmp_path, "s", f"algorithm={algorithm}", "resources.num_actors=2")
+    flat = lambda m: {k: v for k, v in m["global"].items()}  # noqa: E731
+    for k, v in flat(one).items():
+        assert torch.equal(v, flat(three)[k]), k
+        assert torch.allclose(v, flat(seq)[k], atol=1e-4, rtol=1e-3), (k, (v - flat(seq)[k]).abs().max())
+    assert [r["accuracy"] for r in rows1] == [r["accuracy"] for r in rows3]
+    assert abs(rows1[-1]["accuracy"] - rows_seq[-1]["accuracy"]) <= 0.02
