@@ -39,19 +39,17 @@ from raysim.training import round_lr
 SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample
 
 
-def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """The index batches `training.local_sgd` draws for a client with n samples: a new
-    permutation per epoch, `steps` > 0 steps instead of `epochs` epochs."""
-    out: list[torch.Tensor] = []
-    while True:
-        perm = torch.randperm(n, generator=generator)
-        for start in range(0, n, batch_size):
-            out.append(perm[start:start + batch_size])
-            if steps and len(out) >= steps:
-                return out
-        epochs -= 1
-        if not steps and epochs <= 0:
-            return out
+def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator) -> torch.Tensor:
+    """The index batches `training.local_sgd` draws for a client with n samples (a new
+    permutation per epoch; `steps` > 0 steps instead of `epochs` epochs), as a [steps,
+    batch_size] tensor whose short last batches are padded with -1."""
+    per_epoch = -(-n // batch_size)
+    n_epochs = -(-steps // per_epoch) if steps else epochs
+    pad = per_epoch * batch_size - n
+    rows = [torch.nn.functional.pad(torch.randperm(n, generator=generator), (0, pad), value=-1).view(per_epoch, batch_size)
+            for _ in range(n_epochs)]
+    out = torch.cat(rows)
+    return out[:steps] if steps else out
 
 
 def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list[dict], sample_loss: SampleLoss,
@@ -80,24 +78,26 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     x = torch.cat([c.x for c in clients])
     y = torch.cat([c.y for c in clients])
     offsets = torch.tensor([0] + [c.num_samples for c in clients]).cumsum(0).tolist()
-    batches = [batch_schedule(c.num_samples, bs, c.epochs, int(loc.steps), c.generator) for c in clients]
-    n_steps = [len(b) for b in batches]
+    schedules = [batch_schedule(c.num_samples, bs, c.epochs, int(loc.steps), c.generator) for c in clients]
+    n_steps = [len(s) for s in schedules]
     t_max = max(n_steps)
-    index = torch.zeros(t_max, g, bs, dtype=torch.long)
-    weight = torch.zeros(t_max, g, bs)
-    for k, client_batches in enumerate(batches):
-        for t, idx in enumerate(client_batches):
-            index[t, k, :len(idx)] = idx + offsets[k]
-            index[t, k, len(idx):] = offsets[k]  # padding: a real sample, weighted 0
-            weight[t, k, :len(idx)] = 1.0
-    index, weight = index.to(device), weight.to(device)
+    index = torch.full((g, t_max, bs), -1, dtype=torch.long)
+    for k, sched in enumerate(schedules):
+        index[k, :len(sched)] = sched
+    weight = (index >= 0).float()
+    index = torch.where(index >= 0, index, 0) + torch.tensor(offsets[:-1])[:, None, None]  # padding: a real sample, weighted 0
+    index, weight = index.transpose(0, 1).contiguous().to(device), weight.transpose(0, 1).contiguous().to(device)
 
-    def client_loss(p: dict, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
-        per_sample = sample_loss(functional_call(model, p, (xb,)), yb)
-        loss = (per_sample * wb).sum() / wb.sum().clamp(min=1.0)
-        return loss + penalty(p) if penalty is not None else loss
+    forward = vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    penalties = vmap(penalty) if penalty is not None else None
 
-    losses_of = vmap(client_loss)
+    def client_losses(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        """Each client's loss on its batch: [G]."""
+        logits = forward(params, xb)
+        per_sample = sample_loss(logits.flatten(0, 1), yb.flatten()).view(wb.shape)
+        losses = (per_sample * wb).sum(1) / wb.sum(1).clamp(min=1.0)
+        return losses + penalties(params) if penalties is not None else losses
+
     buffers: dict[str, torch.Tensor] = {}
     total = torch.zeros(g, dtype=torch.float64, device=device)
     model.train()
@@ -105,7 +105,7 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
         wb = weight[t]
         counts = wb.sum(1)
         active = (counts > 0).to(wb.dtype)
-        losses = losses_of(params, x[index[t]], y[index[t]], wb)
+        losses = client_losses(x[index[t]], y[index[t]], wb)
         grads = torch.autograd.grad(losses.sum(), [params[n] for n in trainable])
         with torch.no_grad():
             total += losses.detach().double() * counts.double()
@@ -124,11 +124,11 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
                 if weight_shift is not None:
                     p.add_(weight_shift[n] * active.view(shape), alpha=-lr)
     states, stats = [], []
-    frozen = {k: v for k, v in model.state_dict().items() if k not in params}
+    final = {n: p.detach().cpu() for n, p in params.items()}
+    frozen = {n: v for n, v in model.state_dict().items() if n not in params}  # non-trainable: as they started
     for k, c in enumerate(clients):
-        state = {name: (params[name][k] if name in params else starts[k].get(name, frozen.get(name)))
-                 for name in model.state_dict()}
-        states.append({name: v.detach().to("cpu", copy=True) for name, v in state.items()})
-        count = sum(len(b) for b in batches[k])
+        states.append({n: final[n][k].clone() if n in final else starts[k].get(n, frozen[n]).to("cpu", copy=True)
+                       for n in [*final, *frozen]})
+        count = int(weight[:, k].sum())
         stats.append({"loss": float(total[k]) / max(count, 1), "steps": n_steps[k], "lr": lr})
     return states, stats
