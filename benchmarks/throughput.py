@@ -75,7 +75,7 @@ def sequential(name: str) -> dict:
 
     cfg = load_config(overrides=overrides(name))
     data, part, n_classes = prepare(cfg)
-    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    x, y = data.inputs(data.x_train), torch.from_numpy(data.y_train)
     shards = [torch.from_numpy(ix) for ix in part.train]
     torch.manual_seed(0)
     model = build_model(cfg.model, data.input_shape, n_classes)
@@ -109,7 +109,7 @@ def sequential(name: str) -> dict:
             model.load_state_dict(glob)
             model.eval()
             with torch.no_grad():
-                accuracy = float((model(torch.from_numpy(data.x_test)).argmax(1) == torch.from_numpy(data.y_test)).float().mean())
+                accuracy = float((model(data.inputs(data.x_test)).argmax(1) == torch.from_numpy(data.y_test)).float().mean())
         if t_round1 is None:
             t_round1 = time.time() - t_start
     return {"round_seconds": times, "seconds_to_end_of_round_1": t_round1, "clients_per_round": k, "accuracy": accuracy}

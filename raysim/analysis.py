@@ -159,7 +159,7 @@ def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, conf
     if state is None:
         raise ConfigError(f"{model_file} holds no model of the run's network ({cfg.algorithm}, {cfg.model})")
     model.load_state_dict(state)
-    prefs = class_preferences(model, torch.from_numpy(data.x_test), torch.from_numpy(data.y_test),
+    prefs = class_preferences(model, data.inputs(data.x_test), torch.from_numpy(data.y_test),
                               data.num_classes, per_class, confidence)
     rows = layer_table(model, prefs)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ import pickle
 import struct
 
 import numpy as np
+import torch
 import pytest
 
 from raysim.config import ConfigError, load_config
@@ -32,10 +33,13 @@ def test_idx_loader(tmp_path, name, folder, gz):
     write_idx(raw / "t10k-labels-idx1-ubyte", yte, gz)
     d = load_dataset(load_config(overrides=[f"dataset={name}", f"data_dir={tmp_path}", "download=false"]))
     assert d.x_train.shape == (50, 1, 28, 28) and d.x_test.shape == (20, 1, 28, 28)
-    assert d.x_train.dtype == np.float32
+    assert d.x_train.dtype == np.uint8 and np.array_equal(d.x_train[:, 0], xtr)  # stored as the file's pixels
     assert np.array_equal(d.y_train, ytr) and np.array_equal(d.y_test, yte)
-    # normalisation is monotone per pixel: the brightest input pixel stays the brightest
-    assert np.argmax(d.x_train[3].ravel()) == np.argmax(xtr[3].ravel())
+    # what models take: float32 (pixel / 255 - mean) / std, exactly the numpy arithmetic
+    mean, std = np.float32(0.1307 if name == "mnist" else 0.2860), np.float32(0.3081 if name == "mnist" else 0.3530)
+    want = (xtr.astype(np.float32)[:, None] / np.float32(255.0) - mean) / std
+    got = d.inputs(d.x_train)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
 
 
 def write_cifar(folder, files, n, label_keys, rng):
@@ -64,9 +68,9 @@ def test_cifar10_pickle_loader(tmp_path):
     # input_scale=unit: NIID-Bench's / FedConcat's [0, 1] pixels, exactly byte / 255
     u = load_dataset(load_config(overrides=["dataset=cifar10", f"data_dir={tmp_path}", "download=false",
                                             "input_scale=unit"]))
-    assert np.array_equal(u.x_test[0, 0], (red / 255.0).astype(np.float32))
+    assert np.array_equal(u.inputs(u.x_test)[0, 0].numpy(), red.astype(np.float32) / np.float32(255.0))
     assert u.norm == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
-    assert abs(float(d.x_test.mean())) < abs(float(u.x_test.mean()))  # standardised: about zero-mean
+    assert abs(float(d.inputs(d.x_test).mean())) < abs(float(u.inputs(u.x_test).mean()))  # standardised: about zero-mean
 
 
 @pytest.mark.parametrize("coarse", [False, True])

@@ -45,7 +45,7 @@ def test_femnist_json_gives_one_client_per_writer_with_its_own_test_data(tmp_pat
     first = sorted(train)[0]  # clients are the writers in sorted order; the fifth is left out
     assert data.y_train[part.train[0]].tolist() == train[first][1]
     pixel = np.rint(np.asarray(train[first][0][0]) * 255) / 255  # uint8 then MNIST's standardisation
-    assert np.allclose(data.x_train[part.train[0][0]].reshape(-1), (pixel - 0.1307) / 0.3081, atol=1e-5)
+    assert np.allclose(data.inputs(data.x_train[part.train[0][0]][None]).reshape(-1), (pixel - 0.1307) / 0.3081, atol=1e-5)
     tests = clients_test_data(data, part, cfg)  # each writer's own test samples
     assert tests.sizes.tolist() == [2, 2, 2, 2] and len(data.y_test) == 8
     assert data.y_test[data.users_test == 3].tolist() == [58, 58]

@@ -30,7 +30,7 @@ def test_weighted_accuracy_is_total_correct_over_total_local_samples():
     # client 1: sample 3 -> prediction 1 (5 < 5.5), label 0: 0 of 1
     # client 2: samples 4, 5, 6, 7 -> served by the flipped model: predictions 0, 1, 0, 1: 0 of 4
     # client 3: no local test data
-    t = LocalTests(x, y, [np.array([0, 1, 2]), np.array([3]), np.array([4, 5, 6, 7]), np.array([], dtype=int)])
+    t = LocalTests(x, y, [np.array([0, 1, 2]), np.array([3]), np.array([4, 5, 6, 7]), np.array([], dtype=int)], torch.from_numpy)
     assert t.cids == [0, 1, 2]
     metrics, per_client = t.evaluate({"a": Pick(), "b": Pick(flip=True)}, {"a": [0, 1], "b": [2, 3]})
     assert per_client == pytest.approx({0: 2 / 3, 1: 0.0, 2: 0.0})
@@ -41,7 +41,7 @@ def test_weighted_accuracy_is_total_correct_over_total_local_samples():
     # the same model for everyone: client 2 gets 4 of 4 right
     metrics, per_client = t.evaluate({"a": Pick()}, {"a": [0, 1, 2, 3]})
     assert per_client[2] == 1.0 and metrics["local_accuracy"] == pytest.approx(6 / 8)
-    assert local_tests(x, y, None) is None and local_tests(x, y, [np.array([], dtype=int)]) is None
+    assert local_tests(x, y, None, torch.from_numpy) is None and local_tests(x, y, [np.array([], dtype=int)], torch.from_numpy) is None
 
 
 def test_fedavg_reports_per_client_accuracy_on_local_test_splits(ray_local, tmp_path):

@@ -1,8 +1,11 @@
 """Dataset loaders: each returns whole train/test arrays, ready to go to the object store.
 
-Images come back as float32 (N, C, H, W), standardised per channel with the dataset's mean
-and std (`input_scale: standardize`), or as pixels in [0, 1] (`input_scale: unit`, what
-NIID-Bench, FedConcat's and MOON's code train on); labels as int64. Loaders
+Images come back as their uint8 pixels (N, C, H, W): a quarter of float32's memory in the
+object store and in every transfer. `FederatedData.inputs` (and `model_inputs` where the
+arrays are shared, on the device that trains) turns them into what models take: float32
+standardised per channel with the dataset's mean and std (`input_scale: standardize`), or
+pixels in [0, 1] (`input_scale: unit`, what NIID-Bench, FedConcat's and MOON's code train
+on). Other features (Synthetic, Sent140) are stored as models take them. Labels are int64. Loaders
 use torchvision's classes and file formats where torchvision has the dataset, reading from
 `data_dir` (torchvision's own folder layout) and downloading when allowed and online.
 A file that is missing offline gives a `ConfigError` saying which file and where to put it.
@@ -38,11 +41,32 @@ class FederatedData:
     num_classes: int
     users_train: Optional[np.ndarray] = None  # natural partition: owner id of each train sample
     users_test: Optional[np.ndarray] = None
-    norm: Optional[tuple] = None  # per-channel (mean, std) the images were standardised with
+    norm: Optional[tuple] = None  # per-channel (mean, std) the images are standardised with
+    pixel_max: Optional[float] = None  # images: x_* hold uint8 pixels in [0, pixel_max]
 
     @property
     def input_shape(self) -> tuple:
         return tuple(self.x_train.shape[1:])
+
+    def inputs(self, x) -> "torch.Tensor":
+        """Stored features (x_train / x_test rows) as the float tensor models take."""
+        import torch
+
+        return model_inputs(torch.as_tensor(x), self.pixel_max, self.norm)
+
+
+def model_inputs(x: "torch.Tensor", pixel_max: Optional[float], norm: Optional[tuple]) -> "torch.Tensor":
+    """uint8 pixels -> float32 (x / pixel_max - mean) / std per channel, on x's device (the
+    same float32 arithmetic the loaders once did in numpy); features that are not pixels
+    (pixel_max None) as they are."""
+    if pixel_max is None:
+        return x
+    import torch
+
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean = torch.tensor(norm[0], dtype=torch.float32, device=x.device).view(shape)
+    std = torch.tensor(norm[1], dtype=torch.float32, device=x.device).view(shape)
+    return (x.float() / float(pixel_max) - mean) / std
 
 
 def _scaling(cfg: DictConfig, mean: tuple, std: tuple) -> tuple:
@@ -52,16 +76,14 @@ def _scaling(cfg: DictConfig, mean: tuple, std: tuple) -> tuple:
     return mean, std
 
 
-def _normalise(x_uint8: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
-    """uint8 (N, H, W[, C]) -> float32 (N, C, H, W) in [0, 1], then (x - mean) / std per channel."""
-    x = x_uint8.astype(np.float32) / 255.0
+def _pixels(x_uint8: np.ndarray) -> np.ndarray:
+    """uint8 (N, H, W[, C]) -> uint8 (N, C, H, W), contiguous."""
+    x = np.asarray(x_uint8, dtype=np.uint8)
     if x.ndim == 3:
         x = x[:, None]
     elif x.shape[-1] in (1, 3):
         x = x.transpose(0, 3, 1, 2)
-    m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
-    s = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
-    return np.ascontiguousarray((x - m) / s)
+    return np.ascontiguousarray(x)
 
 
 def _missing(name: str, where: Path, files: list[str], err: Exception | None) -> ConfigError:
@@ -151,12 +173,12 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
     train, test = _torchvision_load(name, cls, root, cfg.download, {"train": True}, {"train": False}, raw, _IDX_FILES)
     return FederatedData(
         name,
-        _normalise(train.data.numpy(), (mean,), (std,)),
+        _pixels(train.data.numpy()),
         train.targets.numpy().astype(np.int64),
-        _normalise(test.data.numpy(), (mean,), (std,)),
+        _pixels(test.data.numpy()),
         test.targets.numpy().astype(np.int64),
         10,
-        norm=((mean,), (std,)),
+        norm=((mean,), (std,)), pixel_max=255.0,
     )
 
 
@@ -217,8 +239,8 @@ def _cifar_data(name, tv_cls, folder, files, cfg, num_classes, label_key=None) -
         else:  # CIFAR-100 coarse labels sit in the same pickles as the fine ones
             with open(root / folder / split, "rb") as f:
                 ys.append(np.asarray(pickle.load(f, encoding="latin1")[label_key], np.int64))
-    return FederatedData(name, _normalise(train.data, mean, std), ys[0], _normalise(test.data, mean, std), ys[1],
-                         num_classes, norm=(mean, std))
+    return FederatedData(name, _pixels(train.data), ys[0], _pixels(test.data), ys[1],
+                         num_classes, norm=(mean, std), pixel_max=255.0)
 
 
 @DATASETS.register("cifar10")
@@ -277,9 +299,9 @@ class SVHN:
                                         root, ["train_32x32.mat", "test_32x32.mat"])
         mean, std = _scaling(cfg, (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))
         # torchvision keeps SVHN as (N, C, H, W) uint8 already
-        return FederatedData("svhn", _normalise(train.data.transpose(0, 2, 3, 1), mean, std), train.labels.astype(np.int64),
-                             _normalise(test.data.transpose(0, 2, 3, 1), mean, std), test.labels.astype(np.int64), 10,
-                             norm=(mean, std))
+        return FederatedData("svhn", _pixels(train.data.transpose(0, 2, 3, 1)), train.labels.astype(np.int64),
+                             _pixels(test.data.transpose(0, 2, 3, 1)), test.labels.astype(np.int64), 10,
+                             norm=(mean, std), pixel_max=255.0)
 
 
 CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -318,9 +340,10 @@ class CINIC10:
             arrays[split] = (x, np.asarray(folder.targets, np.int64))
         train = [arrays[s] for s in splits if s != "test"]
         mean, std = _scaling(cfg, (0.4789, 0.4723, 0.4305), (0.2421, 0.2383, 0.2587))
-        return FederatedData("cinic10", _normalise(np.concatenate([t[0] for t in train]), mean, std),
+        return FederatedData("cinic10", _pixels(np.concatenate([t[0] for t in train])),
                              np.concatenate([t[1] for t in train]),
-                             _normalise(arrays["test"][0], mean, std), arrays["test"][1], 10, norm=(mean, std))
+                             _pixels(arrays["test"][0]), arrays["test"][1], 10, norm=(mean, std),
+                             pixel_max=255.0)
 
 
 # --------------------------------------------------------------------------- offline data
@@ -339,12 +362,11 @@ class Digits:
 
         d = load_digits()
         mean, std = _scaling(cfg, (0.5,), (0.5,))
-        x = (d.images.astype(np.float32) / 16.0 - mean[0]) / std[0]
-        x = x[:, None]
+        x = d.images.astype(np.uint8)[:, None]  # pixels 0..16
         y = d.target.astype(np.int64)
         xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=cfg.seed, stratify=y)
         return FederatedData("digits", np.ascontiguousarray(xtr), ytr, np.ascontiguousarray(xte), yte, 10,
-                             norm=(mean, std))
+                             norm=(mean, std), pixel_max=16.0)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from raysim.config import ConfigError
-from raysim.data.datasets import FederatedData, _normalise, _scaling
+from raysim.data.datasets import FederatedData, _pixels, _scaling
 from raysim.registry import DATASETS
 
 
@@ -110,8 +110,8 @@ class FEMNIST:
         for y in (ytr, yte):
             if y.min() < 0 or y.max() >= 62:
                 raise ConfigError(f"dataset 'femnist': labels must be 0..61, found {y.min()}..{y.max()}")
-        return FederatedData("femnist", _normalise(xtr, mean, std), ytr, _normalise(xte, mean, std), yte, 62,
-                             users_train=otr, users_test=ote, norm=(mean, std))
+        return FederatedData("femnist", _pixels(xtr), ytr, _pixels(xte), yte, 62,
+                             users_train=otr, users_test=ote, norm=(mean, std), pixel_max=255.0)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from raysim.algorithm import Client
 from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
+from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import pool
 from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
@@ -42,7 +43,8 @@ class ClientActor:
         self.x = None
         _warm_up(self.device)
 
-    def _attach(self, cfg: dict, data_refs: list, num_classes: int, norm: Optional[tuple]) -> None:
+    def _attach(self, cfg: dict, data_refs: list, num_classes: int, norm: Optional[tuple],
+                pixel_max: Optional[float]) -> None:
         """Take the run's config and plugins, map the training arrays (zero-copy from the
         object store; copied once to the GPU when the actor has one) and build the plugins
         and the scratch model. Runs on a run's first call to this actor, and again on the
@@ -57,6 +59,7 @@ class ClientActor:
             self.y = torch.from_numpy(arrays["y_train"]).to(self.device)
         self.train_index = train_index
         self.num_classes = num_classes
+        self.pixels = (pixel_max, norm)  # images stay uint8 here; a client's shard is decoded when it trains
         shape = tuple(arrays["x_train"].shape[1:])
         self.plugins = {
             "algorithm": ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, shape),
@@ -77,7 +80,7 @@ class ClientActor:
         small updates, one per client for big ones) and, for a plugin with
         `client_state = True`, then each client's new state as its own object (see
         `FederatedServer.run_clients`). `data` = (config, [train arrays ref, train index ref],
-        num_classes, normalisation) on a run's first call to this actor and the first after a
+        num_classes, normalisation, pixel_max) on a run's first call to this actor and the first after a
         restart, else None: references cost a little on every call that carries them."""
         if data is not None:
             self._attach(*data)
@@ -122,7 +125,7 @@ class ClientActor:
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
         return Client(
-            cid=cid, round=rnd, cfg=self.cfg, x=self.x[idx], y=self.y[idx], num_classes=self.num_classes,
+            cid=cid, round=rnd, cfg=self.cfg, x=model_inputs(self.x[idx], *self.pixels), y=self.y[idx], num_classes=self.num_classes,
             device=self.device, generator=torch.Generator().manual_seed(seed),
             state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
         )

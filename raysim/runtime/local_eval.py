@@ -25,13 +25,13 @@ from raysim.data.partition import split_by_owner
 
 
 class LocalTests:
-    def __init__(self, x: np.ndarray, y: np.ndarray, test_index: list, batch_size: int = 1024):
+    def __init__(self, x: np.ndarray, y: np.ndarray, test_index: list, inputs, batch_size: int = 1024):
         sizes = np.array([len(ix) for ix in test_index], dtype=np.int64)
         self.sizes = sizes
         self.cids = [int(c) for c in np.flatnonzero(sizes)]  # clients with a local test sample
         index = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in test_index])
         self.owner = np.repeat(np.arange(len(test_index)), sizes)
-        self.x = torch.from_numpy(np.ascontiguousarray(x[index]))
+        self.x = inputs(np.ascontiguousarray(x[index]))  # what models take (images: decoded from uint8)
         self.y = torch.from_numpy(np.ascontiguousarray(y[index]))
         self.batch_size = batch_size
 
@@ -70,11 +70,11 @@ class LocalTests:
         return np.concatenate(out).astype(np.float64)
 
 
-def local_tests(x: np.ndarray, y: np.ndarray, test_index: Optional[list]) -> Optional[LocalTests]:
+def local_tests(x: np.ndarray, y: np.ndarray, test_index: Optional[list], inputs) -> Optional[LocalTests]:
     """The clients' local test sets, or None when the partition made none."""
     if not test_index or not any(len(ix) for ix in test_index):
         return None
-    return LocalTests(x, y, test_index)
+    return LocalTests(x, y, test_index, inputs)
 
 
 def clients_test_data(data, part, cfg) -> Optional[LocalTests]:
@@ -84,7 +84,7 @@ def clients_test_data(data, part, cfg) -> Optional[LocalTests]:
     nothing: experiment.prepare); else the split `partition.test_fraction` carves from each
     client's training samples. None when clients have no test data of their own."""
     if cfg.partition.name == "natural" and data.users_test is not None:
-        return local_tests(data.x_test, data.y_test, split_by_owner(data.users_test, int(cfg.num_clients)))
+        return local_tests(data.x_test, data.y_test, split_by_owner(data.users_test, int(cfg.num_clients)), data.inputs)
     if part.test is not None:
-        return local_tests(data.x_train, data.y_train, part.test)
+        return local_tests(data.x_train, data.y_train, part.test, data.inputs)
     return None

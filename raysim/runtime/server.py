@@ -77,8 +77,8 @@ class FederatedServer:
             raise
         self.shared_data = (OmegaConf.to_container(self.cfg),
                             [ray.put({"x_train": data.x_train, "y_train": data.y_train}), ray.put(part.train)],
-                            num_classes, data.norm)
-        self.x_test, self.y_test = torch.from_numpy(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
+                            num_classes, data.norm, data.pixel_max)
+        self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.sizes = part.sizes()
