@@ -111,6 +111,7 @@ class RayConfig:
     address: Optional[str] = None  # None: start a local Ray; "auto" or host:port: join a cluster
     dashboard: bool = False  # local Ray only: start the dashboard (costs ~1 GB RSS and ~1 s)
     num_cpus: Optional[int] = None  # local Ray only: CPUs to offer (default: all)
+    object_store_gb: Optional[float] = None  # local Ray only: its object store, GB (default: Ray's, 30% of memory)
     # between runs in one Ray session (raysim.simulate in a notebook, a sweep, a test suite):
     # keep the server's and client actors' processes and reuse them (see runtime/pool.py)
     reuse_workers: bool = True
@@ -631,6 +632,8 @@ def validate(cfg: DictConfig) -> None:
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
+    need(cfg.ray.object_store_gb is None or cfg.ray.object_store_gb > 0,
+         f"ray.object_store_gb must be > 0, got {cfg.ray.object_store_gb}")
     need(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1,
          f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {cfg.ray.num_cpus}")
     for key, reg in _PLUGIN_KINDS.items():

@@ -95,7 +95,9 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
         import ray
 
         try:
+            store = ray_cfg.get("object_store_gb")
             ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
+                           object_store_memory=int(store * 2**30) if store else None,
                            logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
             raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
@@ -178,6 +180,8 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
     keep = False
     try:
         info = ray.get(driver.setup.remote(layers, os.getcwd(), t_start))
+        if info.get("notice"):
+            print(f"note: {info['notice']}", file=sys.stderr)
         say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
         wait_for_actors(driver, info, say)
         info = ray.get(driver.open_run.remote())

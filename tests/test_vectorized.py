@@ -86,3 +86,18 @@ def test_vectorised_runs_are_bit_identical_for_any_number_of_actors_and_close_to
         assert torch.allclose(v, flat(seq)[k], atol=1e-4, rtol=1e-3), (k, (v - flat(seq)[k]).abs().max())
     assert [r["accuracy"] for r in rows1] == [r["accuracy"] for r in rows3]
     assert abs(rows1[-1]["accuracy"] - rows_seq[-1]["accuracy"]) <= 0.02
+
+
+def test_data_that_nearly_fill_the_object_store_are_named_with_the_setting_to_change(tmp_path):
+    """A local Ray with a small object store (ray.object_store_gb) and 120 MB of features: the
+    run still works (Ray spills), and says so once, with the key that gives it room."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "raysim.run", "dataset=synthetic", "partition=natural", "model=mclr",
+                        "num_clients=100", "synthetic.samples_per_client=6250", "rounds=1", "clients_per_round=2",
+                        "local.steps=1", "ray.object_store_gb=0.1", f"output_dir={tmp_path}", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "of Ray's object store (0.1 GB)" in notes[0] and "ray.object_store_gb=" in notes[0], r.stderr

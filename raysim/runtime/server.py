@@ -97,7 +97,9 @@ class FederatedServer:
         self.input_shape = data.input_shape
         self.n_actors = len(self.actors)
         self.one_per_client = self.cfg.resources.clients_per_actor == 1
-        return {"actors": self.n_actors, "needs": self.actor_needs,
+        self.store_notice = store_notice(data.x_train.nbytes + data.y_train.nbytes,
+                                         ray.cluster_resources().get("object_store_memory", 0))
+        return {"actors": self.n_actors, "needs": self.actor_needs, "notice": self.store_notice,
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
 
     def placed(self, timeout: float) -> int:
@@ -115,6 +117,8 @@ class FederatedServer:
                                 tensorboard=bool(self.cfg.log.tensorboard))
         self.writer.log(f"{self.n_actors} client actors ({self.actor_needs} each) for {self.num_clients} clients"
                         + (f"; {self.reused} of them reused from an earlier run" if self.reused else ""))
+        if self.store_notice:
+            self.writer.log(f"note: {self.store_notice}")
         torch.manual_seed(int(self.cfg.seed))  # nothing of an earlier run in this process (runtime/pool.py)
         self.metrics = RayMetrics(run_dir.name)
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, self.num_classes, self.input_shape)
@@ -462,3 +466,13 @@ class FederatedServer:
 
     def actor_info(self) -> list[dict]:
         return ray.get([a.device_info.remote() for a in self.actors])
+
+
+def store_notice(data_bytes: int, store_bytes: float) -> Optional[str]:
+    """A warning when the training data take most of Ray's object store: what does not fit
+    is spilled to disk and read back, which slows every round; None when they fit."""
+    if not store_bytes or data_bytes <= 0.7 * store_bytes:
+        return None
+    return (f"the training data ({data_bytes / 2**30:.1f} GB) take {data_bytes / store_bytes:.0%} of Ray's object "
+            f"store ({store_bytes / 2**30:.1f} GB): Ray spills what does not fit to disk, which slows every round; "
+            "give it more room (ray.object_store_gb=..., on a local Ray) or use fewer or smaller clients")
