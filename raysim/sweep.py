@@ -4,7 +4,8 @@
     python -m raysim.sweep --file configs/sweeps/fed2_ablation_digits.yaml
 
 A key with comma-separated values (outside [...]) is a grid axis, one value a fixed
-override; a sweep file says the same in YAML:
+override (or, for an axis of the sweep file, that axis cut to one value: `seed=0`); a sweep
+file says the same in YAML:
 
     name: fedprox-check         # the sweep directory: <output_dir>/<name>
     config: [configs/experiments/niid_bench_mnist_c2.yaml]   # --config files for every point
@@ -85,7 +86,7 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
             raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
         key, value = o.split("=", 1)
         values = split_values(value)
-        if len(values) > 1:
+        if len(values) > 1 or key in grid:  # on the command line, an axis of the file is replaced
             grid[key] = values
         else:
             fixed.append(o)

@@ -228,3 +228,15 @@ def test_two_grid_points_with_one_folder_name_are_refused(tmp_path):
     same = ["algorithm=fedavg", "model=mclr"]
     with pytest.raises(ConfigError, match="share the folder name"):
         plan([], [], {"variant": [same, list(same)]}, tmp_path)
+
+
+def test_a_command_line_value_cuts_an_axis_of_the_sweep_file(tmp_path):
+    from pathlib import Path
+
+    from raysim.sweep import parse, plan
+
+    f = Path(__file__).resolve().parent.parent / "raysim" / "configs" / "sweeps" / "selection_digits.yaml"
+    name, configs, fixed, grid = parse(["seed=0", "rounds=5"], f)
+    assert grid["seed"] == ["0"] and "rounds=5" in fixed
+    points = plan(configs, fixed, grid, tmp_path / name)
+    assert len(points) == 3 and all(p["name"].startswith("seed=0,") for p in points)
