@@ -49,9 +49,9 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metrics: 
                               f"or a form of metrics.parquet's columns ({METRICS_HELP})")
     groups: dict[tuple, list] = {}
     for r in runs:
-        row = tuple(str(r.config.get(k)) for k in rows)
+        row = tuple(_shown(r, k) for k in rows)
         for metric in metrics:
-            col = tuple(str(r.config.get(k)) for k in cols) + ((metric,) if len(metrics) > 1 else ())
+            col = tuple(_shown(r, k) for k in cols) + ((metric,) if len(metrics) > 1 else ())
             groups.setdefault((row, col), []).append((r, metric, r.value(metric)))
     row_labels = sorted({k[0] for k in groups}, key=_natural)
     col_labels = sorted({k[1][:len(cols)] for k in groups}, key=_natural)
@@ -74,6 +74,12 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metrics: 
         if diverged:  # their curves end early: the cell is not over the whole run
             cells[key] += f" ({diverged} diverged)"
     return [rows, row_labels], [cols + (["metric"] if len(metrics) > 1 else []), col_labels], cells, counts
+
+
+def _shown(run, key: str) -> str:
+    """A run's value of a config key; "-" where the run does not have the key (a section of
+    another algorithm)."""
+    return str(run.config[key]) if key in run.config else "-"
 
 
 def _natural(labels: tuple) -> tuple:

@@ -240,3 +240,16 @@ def test_a_command_line_value_cuts_an_axis_of_the_sweep_file(tmp_path):
     assert grid["seed"] == ["0"] and "rounds=5" in fixed
     points = plan(configs, fixed, grid, tmp_path / name)
     assert len(points) == 3 and all(p["name"].startswith("seed=0,") for p in points)
+
+
+def test_a_table_row_shows_only_the_sections_its_run_reads(four_runs, capsys):
+    """FedAvg's config carries fedprox.* defaults it never reads: its row says '-' there, and
+    the key does not count as differing between FedAvg and FedProx."""
+    from raysim.results.runs import differing_keys, find_runs
+    from raysim.table import main as table
+
+    runs = find_runs([four_runs])
+    assert "fedprox.mu" not in differing_keys(runs)
+    assert table([str(four_runs), "--rows", "algorithm,fedprox.mu", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("\"fedavg, -\",") and lines[2].startswith("\"fedprox, 0.01\",")

@@ -102,14 +102,28 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
     runs = []
     for d in sorted(set(found)):
         cfg = OmegaConf.to_container(OmegaConf.load(d / "config.yaml")) if (d / "config.yaml").is_file() else {}
-        runs.append(Run(d, flatten(cfg), json.loads((d / "summary.json").read_text())))
+        runs.append(Run(d, flatten(read_sections(cfg)), json.loads((d / "summary.json").read_text())))
     return runs
 
 
+def read_sections(cfg: dict) -> dict:
+    """The config without the plugin sections the run does not read (a FedAvg run's config
+    carries fed2.* defaults; a table row should not say it used them)."""
+    from raysim.config import plugin_sections, used_sections
+
+    try:
+        unused = set(plugin_sections()) - used_sections(cfg)
+    except Exception:  # a plugin of the run that is not importable here: keep everything
+        return cfg
+    return {k: v for k, v in cfg.items() if k not in unused}
+
+
 def differing_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values differ between the runs, incidental ones (seed, paths) left out."""
+    """Config keys whose values differ between the runs that have them (a section only some
+    runs read counts by its values there), incidental ones (seed, paths) left out."""
     keys = sorted({k for r in runs for k in r.config})
-    return [k for k in keys if not k.startswith(INCIDENTAL) and len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+    return [k for k in keys if not k.startswith(INCIDENTAL)
+            and len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
 
 
 def check_keys(runs: list[Run], keys: list[str]) -> None:
@@ -121,7 +135,7 @@ def check_keys(runs: list[Run], keys: list[str]) -> None:
 
 
 def label(run: Run, keys: list[str]) -> str:
-    return ", ".join(f"{k}={run.config.get(k)}" for k in keys) or run.path.name
+    return ", ".join(f"{k}={run.config[k]}" for k in keys if k in run.config) or run.path.name
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
