@@ -66,16 +66,20 @@ def partition_figure(counts: np.ndarray, path: Path, title: str) -> Path:
 
 def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, title: Optional[str] = None) -> Path:
     """One line per entry of `series` ({"label", "x", "mean", "low", "high"}), with a band
-    between low and high (mean +- std over seeds) where there are several seeds. The
-    legend goes under the axes, long labels wrapped."""
+    between low and high (mean +- std over seeds) where there are several seeds, clipped to
+    [0, 1] for an accuracy. The legend goes under the axes, long labels wrapped."""
     import textwrap
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.3 * len(series)), layout="constrained")
+    share = "accuracy" in y_label  # a share: the band stays in [0, 1]
     for s in series:
         (line,) = ax.plot(s["x"], s["mean"], label="\n".join(textwrap.wrap(s["label"], 90)), linewidth=1.5)
         if s.get("low") is not None:
-            ax.fill_between(s["x"], s["low"], s["high"], color=line.get_color(), alpha=0.2, linewidth=0)
+            low, high = s["low"], s["high"]
+            if share:
+                low, high = [max(v, 0.0) for v in low], [min(v, 1.0) for v in high]
+            ax.fill_between(s["x"], low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.grid(alpha=0.3)
