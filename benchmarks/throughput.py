@@ -65,17 +65,15 @@ def sequential(name: str) -> dict:
     sys.path.insert(0, str(HERE))
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     from raysim.config import clients_per_round, load_config
     from raysim.models import build_model
     from raysim.experiment import prepare
-    from raysim.training import SGD  # the same optimizer raysim's clients use (see README)
 
     cfg = load_config(overrides=overrides(name))
     data, part, n_classes = prepare(cfg)
-    x, y = data.inputs(data.x_train), torch.from_numpy(data.y_train)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     shards = [torch.from_numpy(ix) for ix in part.train]
     torch.manual_seed(0)
     model = build_model(cfg.model, data.input_shape, n_classes)
@@ -88,17 +86,8 @@ def sequential(name: str) -> dict:
         acc, total = None, 0
         for cid in chosen:
             model.load_state_dict(glob)
-            opt = SGD(model.parameters(), lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay)
-            xc, yc = x[shards[cid]], y[shards[cid]]
-            g = torch.Generator().manual_seed(rnd * 100003 + cid)
-            model.train()
-            for _ in range(int(loc.epochs)):
-                perm = torch.randperm(len(yc), generator=g)
-                for s in range(0, len(yc), int(loc.batch_size)):
-                    idx = perm[s:s + int(loc.batch_size)]
-                    opt.zero_grad()
-                    F.cross_entropy(model(xc[idx]), yc[idx]).backward()
-                    opt.step()
+            xc, yc = data.inputs(x[shards[cid]]), y[shards[cid]]  # images decoded per client, as raysim's actors do
+            train_plain(model, xc, yc, loc, torch.Generator().manual_seed(rnd * 100003 + cid))
             n = len(yc)
             sd = model.state_dict()
             acc = {kk: v.double() * n for kk, v in sd.items()} if acc is None else {kk: acc[kk] + sd[kk].double() * n for kk in acc}
@@ -113,6 +102,25 @@ def sequential(name: str) -> dict:
         if t_round1 is None:
             t_round1 = time.time() - t_start
     return {"round_seconds": times, "seconds_to_end_of_round_1": t_round1, "clients_per_round": k, "accuracy": accuracy}
+
+
+def train_plain(model, x, y, loc, generator) -> None:
+    """One client's local SGD as a plain torch loop: `local.epochs` passes of shuffled
+    minibatches, raysim's SGD (the same arithmetic as torch.optim.SGD)."""
+    import torch
+    import torch.nn.functional as F
+
+    from raysim.training import SGD
+
+    opt = SGD(model.parameters(), lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay)
+    model.train()
+    for _ in range(int(loc.epochs)):
+        perm = torch.randperm(len(y), generator=generator)
+        for s in range(0, len(y), int(loc.batch_size)):
+            idx = perm[s:s + int(loc.batch_size)]
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
 
 
 # --------------------------------------------------------------------------- measurement

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -136,25 +135,14 @@ class BenchClient(NumPyClient):
 
     def fit(self, parameters, config):
         import torch
-        import torch.nn.functional as F
-
-        from raysim.training import SGD
+        from throughput import train_plain
 
         d = self.data()
         model, loc = d["model"], d["cfg"].local
         model.load_state_dict({k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters)})
-        opt = SGD(model.parameters(), lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay)
         idx = d["shards"][self.cid]
         x, y = d["data"].inputs(d["x"][idx]), d["y"][idx]
-        g = torch.Generator().manual_seed(self.cid)
-        model.train()
-        for _ in range(int(loc.epochs)):
-            perm = torch.randperm(len(y), generator=g)
-            for s in range(0, len(y), int(loc.batch_size)):
-                b = perm[s:s + int(loc.batch_size)]
-                opt.zero_grad()
-                F.cross_entropy(model(x[b]), y[b]).backward()
-                opt.step()
+        train_plain(model, x, y, loc, torch.Generator().manual_seed(self.cid))
         return [v.detach().numpy() for v in model.state_dict().values()], len(y), {}
 
 
