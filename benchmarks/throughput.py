@@ -40,7 +40,10 @@ WORKLOADS = {
             "local.momentum=0.9"],
     # overhead-bound: 100 clients x 200 FedProx Synthetic samples, logistic regression
     "mclr": [*SYNTH, "num_clients=100", "rounds=10"],
+    # the same with a 2-layer MLP (200, 200): more arithmetic per step
+    "mlp": [*SYNTH, "model=mlp", "num_clients=100", "rounds=10"],
     # the same, each actor training its clients as vectorised groups (raysim/vectorized.py)
+    "mlp-vec": [*SYNTH, "model=mlp", "num_clients=100", "rounds=10", "local.vectorize=true", "local.vectorize_group=10"],
     "mclr-vec": [*SYNTH, "num_clients=100", "rounds=10", "local.vectorize=true", "local.vectorize_group=10"],
     "cnn-vec": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid", "model=cnn",
                 "num_clients=100", "clients_per_round=10", "rounds=5", "local.batch_size=64", "local.lr=0.01",
