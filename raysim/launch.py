@@ -72,6 +72,47 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
     return layers, cfg
 
 
+def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
+    """`check` in a forked child process, for the command line: checking imports every
+    algorithm's module and with them torch (~500 MB, ~2 s), which the command itself never
+    needs (its driver and client actors are other processes); the child's memory goes when
+    it exits. Same result, same errors; in-process where there is no fork."""
+    if not hasattr(os, "fork") or "torch" in sys.modules:
+        return check(config_files, overrides, say)
+    import pickle
+
+    from omegaconf import OmegaConf
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: check, send back plain containers or the error, leave at once
+        os.close(read)
+        try:
+            layers, cfg = check(config_files, overrides, say)
+            out = ("ok", layers, OmegaConf.to_container(cfg))
+        except ConfigError as e:
+            out = ("error", str(e), None)
+        except BaseException as e:  # noqa: BLE001  (reported by the parent, as in-process)
+            out = ("crash", f"{type(e).__name__}: {e}", None)
+        with os.fdopen(write, "wb") as f:
+            pickle.dump(out, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    if not data:
+        raise ConfigError("checking the config failed: its process ended without an answer")
+    kind, first, cfg = pickle.loads(data)
+    if kind == "error":
+        raise ConfigError(first)
+    if kind == "crash":
+        raise RuntimeError(first)
+    return first, OmegaConf.create(cfg)
+
+
 def start_ray(ray_cfg, say: Say = quiet) -> bool:
     """Connect to `ray.address`, or start a local Ray (and `raysim.reaper`, which stops it if
     this process is killed outright). Returns True if we started it."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raysim.config import ConfigError
 from raysim.errors import RunDiverged
-from raysim.launch import DriverDied, Interrupted, RunFailed, check, launch, quiet, say_on_stderr, start_ray
+from raysim.launch import DriverDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
             raise ConfigError("--plot FILE draws the partition: give it with --show-partition")
         if args.print_config or args.show_partition:
             return _local(args, say)
-        layers, cfg = check(args.config, args.overrides, say)  # every check that needs no data, before Ray
+        layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
         started = start_ray(cfg.ray, say)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -224,3 +224,21 @@ def test_non_finite_numbers_are_refused_by_name(override):
 
     with pytest.raises(ConfigError, match=f"{override.split('=')[0]}=.* is not a finite number"):
         load_config(overrides=[override])
+
+
+def test_the_command_line_checks_its_config_without_importing_torch(tmp_path):
+    """The check imports every algorithm's module (torch: ~500 MB); the command runs it in a
+    forked child, so the command's own process never holds torch, and its errors are the same."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from raysim.launch import check_apart; "
+             "layers, cfg = check_apart([], ['algorithm=fedprox', 'fedprox.mu=0.5']); "
+             "print(cfg.fedprox.mu, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["0.5", "False"], r.stderr
+    bad = ("from raysim.launch import check_apart; from raysim.config import ConfigError\n"
+           "try:\n    check_apart([], ['fedprox.mu=-1', 'algorithm=fedprox'])\n"
+           "except ConfigError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.stdout.strip() == "fedprox.mu must be >= 0, got -1.0", r.stderr
