@@ -69,8 +69,6 @@ class ClientActor:
         }
         self.model = self.plugins["algorithm"].build_model(shape).to(self.device)
         self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
-        import gc
-        gc.freeze()
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
             group: int, cohorts: Optional[list[int]], payload, *states):
