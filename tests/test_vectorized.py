@@ -28,6 +28,7 @@ def clients_for(cfg, model, shape, seed=0, states=None):
 
 @pytest.mark.parametrize("algorithm, extra, model, shape", [
     ("fedavg", [], "mlp", (1, 8, 8)),
+    ("fedavg", ["local.steps=5"], "mlp", (1, 8, 8)),  # a fixed number of steps: a client of 7 samples re-draws
     ("fedavg", ["local.weight_decay=0.01", "local.lr_decay=0.9"], "cnn", (1, 28, 28)),
     ("fedprox", ["fedprox.mu=0.5"], "mlp", (1, 8, 8)),
     ("fedfocal", [], "mclr", (1, 8, 8)),
@@ -73,14 +74,25 @@ def run(tmp_path, name, *args):
         pq.read_table(tmp_path / name / "metrics.parquet").to_pylist()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedgroup"])
 def test_vectorised_runs_are_bit_identical_for_any_number_of_actors_and_close_to_sequential(ray_local, tmp_path,
                                                                                              algorithm):
     vec = ["local.vectorize=true", "local.vectorize_group=4", f"algorithm={algorithm}"]
+    if algorithm == "fedgroup":
+        vec.append("fedgroup.groups=2")
     one, rows1 = run(tmp_path, "v1", *vec, "resources.num_actors=1")
     three, rows3 = run(tmp_path, "v3", *vec, "resources.num_actors=3", "ray.reuse_workers=false")
-    seq, rows_seq = run(tmp_path, "s", f"algorithm={algorithm}", "resources.num_actors=2")
-    flat = lambda m: {k: v for k, v in m["global"].items()}  # noqa: E731
+    seq, rows_seq = run(tmp_path, "s", *[v for v in vec if not v.startswith("local.vectorize")], "resources.num_actors=2")
+    def flat(saved, prefix=""):  # every tensor in model.pt (FedGroup keeps a model per group)
+        out = {}
+        for k, v in saved.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            elif isinstance(v, torch.Tensor) and v.is_floating_point():
+                out[prefix + k] = v
+        return out
+
+    assert flat(one)
     for k, v in flat(one).items():
         assert torch.equal(v, flat(three)[k]), k
         assert torch.allclose(v, flat(seq)[k], atol=1e-4, rtol=1e-3), (k, (v - flat(seq)[k]).abs().max())
