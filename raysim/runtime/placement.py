@@ -82,3 +82,13 @@ def plan(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_clie
     groups = [cids[i:i + vector_group] for i in range(0, len(cids), vector_group)]
     units = assign(list(range(len(groups))), {i: sum(work[c] for c in g) for i, g in enumerate(groups)}, n_actors, False)
     return [(a, [c for i in idx for c in groups[i]], [len(groups[i]) for i in idx]) for a, idx in units]
+
+
+def store_notice(data_bytes: int, store_bytes: float) -> Optional[str]:
+    """A warning when the training data take most of Ray's object store: what does not fit
+    is spilled to disk and read back, which slows every round; None when they fit."""
+    if not store_bytes or data_bytes <= 0.7 * store_bytes:
+        return None
+    return (f"the training data ({data_bytes / 2**30:.1f} GB) take {data_bytes / store_bytes:.0%} of Ray's object "
+            f"store ({store_bytes / 2**30:.1f} GB): Ray spills what does not fit to disk, which slows every round; "
+            "give it more room (ray.object_store_gb=..., on a local Ray) or use fewer or smaller clients")

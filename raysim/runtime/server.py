@@ -97,7 +97,7 @@ class FederatedServer:
         self.input_shape = data.input_shape
         self.n_actors = len(self.actors)
         self.one_per_client = self.cfg.resources.clients_per_actor == 1
-        self.store_notice = store_notice(data.x_train.nbytes + data.y_train.nbytes,
+        self.store_notice = placement.store_notice(data.x_train.nbytes + data.y_train.nbytes,
                                          ray.cluster_resources().get("object_store_memory", 0))
         return {"actors": self.n_actors, "needs": self.actor_needs, "notice": self.store_notice,
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
@@ -467,12 +467,3 @@ class FederatedServer:
     def actor_info(self) -> list[dict]:
         return ray.get([a.device_info.remote() for a in self.actors])
 
-
-def store_notice(data_bytes: int, store_bytes: float) -> Optional[str]:
-    """A warning when the training data take most of Ray's object store: what does not fit
-    is spilled to disk and read back, which slows every round; None when they fit."""
-    if not store_bytes or data_bytes <= 0.7 * store_bytes:
-        return None
-    return (f"the training data ({data_bytes / 2**30:.1f} GB) take {data_bytes / store_bytes:.0%} of Ray's object "
-            f"store ({store_bytes / 2**30:.1f} GB): Ray spills what does not fit to disk, which slows every round; "
-            "give it more room (ray.object_store_gb=..., on a local Ray) or use fewer or smaller clients")
