@@ -180,6 +180,7 @@ def concurrency(points: list[dict]) -> int:
 
 
 def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print) -> Path:
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
     from ray import tune
 
     from raysim.launch import start_ray
