@@ -39,6 +39,47 @@ from raysim.training import round_lr
 SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample
 
 
+def stacked_forward(model: torch.nn.Module) -> Optional[Callable[[dict, torch.Tensor], torch.Tensor]]:
+    """For a model made only of Flatten, Linear and ReLU (in `nn.Sequential` / `EncoderHead`:
+    MCLR, the MLPs), its forward on stacked weights as batched matmuls: inputs [G, B, ...] ->
+    logits [G, B, C]. vmap's per-call cost is most of such a small model's step (0.37 ms of
+    an MCLR step for 20 clients). None for any other model (it goes through vmap)."""
+    from raysim.models.base import EncoderHead
+
+    ops: list[tuple[str, str]] = []
+
+    def walk(m: torch.nn.Module, prefix: str) -> bool:
+        if type(m) is EncoderHead:
+            return walk(m.encoder, prefix + "encoder.") and walk(m.head, prefix + "head.")
+        if type(m) is torch.nn.Sequential:
+            return all(walk(c, f"{prefix}{name}.") for name, c in m.named_children())
+        if type(m) is torch.nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
+            ops.append(("flatten", ""))
+        elif type(m) is torch.nn.Linear:
+            ops.append(("linear", prefix))
+        elif type(m) is torch.nn.ReLU:
+            ops.append(("relu", ""))
+        else:
+            return False
+        return True
+
+    if not walk(model, ""):
+        return None
+
+    def forward(params: dict, x: torch.Tensor) -> torch.Tensor:
+        for op, prefix in ops:
+            if op == "flatten":
+                x = x.flatten(2)
+            elif op == "relu":
+                x = torch.relu(x)
+            else:
+                w, b = params[prefix + "weight"].transpose(1, 2), params.get(prefix + "bias")
+                x = torch.bmm(x, w) if b is None else torch.baddbmm(b.unsqueeze(1), x, w)
+        return x
+
+    return forward
+
+
 def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator) -> torch.Tensor:
     """The index batches `training.local_sgd` draws for a client with n samples (a new
     permutation per epoch; `steps` > 0 steps instead of `epochs` epochs), as a [steps,
@@ -88,7 +129,7 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     index = torch.where(index >= 0, index, 0) + torch.tensor(offsets[:-1])[:, None, None]  # padding: a real sample, weighted 0
     index, weight = index.transpose(0, 1).contiguous().to(device), weight.transpose(0, 1).contiguous().to(device)
 
-    forward = vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    forward = stacked_forward(model) or vmap(lambda p, xb: functional_call(model, p, (xb,)))
     penalties = vmap(penalty) if penalty is not None else None
 
     def client_losses(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:

@@ -113,3 +113,21 @@ def test_data_that_nearly_fill_the_object_store_are_named_with_the_setting_to_ch
     assert r.returncode == 0, r.stderr[-2000:]
     notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and "of Ray's object store (0.1 GB)" in notes[0] and "ray.object_store_gb=" in notes[0], r.stderr
+
+
+def test_linear_models_take_the_batched_matmul_path_and_others_vmap():
+    """MCLR and MLPs (Flatten / Linear / ReLU only) run on stacked weights as batched matmuls,
+    giving what vmap over the model gives; a CNN has no such path."""
+    from torch.func import functional_call, vmap
+
+    from raysim.vectorized import stacked_forward
+
+    for name in ("mclr", "mlp"):
+        model = build_model(name, (1, 8, 8), 10)
+        fast = stacked_forward(model)
+        assert fast is not None
+        params = {n: torch.stack([p.detach() + 0.01 * k for k in range(3)]) for n, p in model.named_parameters()}
+        x = torch.randn(3, 5, 1, 8, 8)
+        slow = vmap(lambda p, xb: functional_call(model, p, (xb,)))(params, x)
+        assert torch.allclose(fast(params, x), slow, atol=1e-5)
+    assert stacked_forward(build_model("cnn", (1, 28, 28), 10)) is None
