@@ -4,7 +4,9 @@ batched program, instead of one client after another.
 Small models (MCLR, MLPs, the simple CNN) spend most of a client step in Python and
 dispatch, not arithmetic; training G clients at once pays that once per step for all G.
 `torch.func.vmap` over `torch.func.functional_call` runs the model with G stacked copies
-of its weights (leading dimension: the client), each on its own batch:
+of its weights (leading dimension: the client), each on its own batch; a model made only of
+Flatten / Linear / ReLU (MCLR, the MLPs) skips vmap's per-call cost and runs as batched
+matmuls (`stacked_forward`). Either way:
 
 - every client starts from its own weights (`start`: one state dict, or one per client),
   draws its batches from its own generator exactly as `training.local_sgd` does (the same
