@@ -20,13 +20,16 @@ import socket
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 from omegaconf import DictConfig
 
 from raysim.config import ConfigError
 from raysim.registry import DATASETS
+
+if TYPE_CHECKING:  # torch is imported where images are decoded, not by every loader's caller
+    import torch
 
 
 @dataclass
@@ -48,14 +51,14 @@ class FederatedData:
     def input_shape(self) -> tuple:
         return tuple(self.x_train.shape[1:])
 
-    def inputs(self, x) -> "torch.Tensor":
+    def inputs(self, x) -> torch.Tensor:
         """Stored features (x_train / x_test rows) as the float tensor models take."""
         import torch
 
         return model_inputs(torch.as_tensor(x), self.pixel_max, self.norm)
 
 
-def model_inputs(x: "torch.Tensor", pixel_max: Optional[float], norm: Optional[tuple]) -> "torch.Tensor":
+def model_inputs(x: torch.Tensor, pixel_max: Optional[float], norm: Optional[tuple]) -> torch.Tensor:
     """uint8 pixels -> float32 (x / pixel_max - mean) / std per channel, on x's device (the
     same float32 arithmetic the loaders once did in numpy); features that are not pixels
     (pixel_max None) as they are."""
