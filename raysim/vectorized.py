@@ -112,7 +112,7 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     loc = clients[0].cfg.local
     device, g = clients[0].device, len(clients)
     lr = round_lr(loc, clients[0].round)
-    momentum, decay, bs = float(loc.momentum), float(loc.weight_decay), int(loc.batch_size)
+    momentum, decay, bs, steps = float(loc.momentum), float(loc.weight_decay), int(loc.batch_size), int(loc.steps)
     starts = start if isinstance(start, list) else [start] * g
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: torch.stack([s[n].to(device) for s in starts]).requires_grad_() for n in trainable}
@@ -121,7 +121,7 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     x = torch.cat([c.x for c in clients])
     y = torch.cat([c.y for c in clients])
     offsets = torch.tensor([0] + [c.num_samples for c in clients]).cumsum(0).tolist()
-    schedules = [batch_schedule(c.num_samples, bs, c.epochs, int(loc.steps), c.generator) for c in clients]
+    schedules = [batch_schedule(c.num_samples, bs, c.epochs, steps, c.generator) for c in clients]
     n_steps = [len(s) for s in schedules]
     t_max = max(n_steps)
     index = torch.full((g, t_max, bs), -1, dtype=torch.long)
