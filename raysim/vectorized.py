@@ -95,13 +95,12 @@ def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: 
     return out[:steps] if steps else out
 
 
-def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list[dict], sample_loss: SampleLoss,
+def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict, sample_loss: SampleLoss,
                penalty: Optional[Callable[[dict], torch.Tensor]] = None,
                gradient_shift: Optional[dict[str, torch.Tensor]] = None,
                weight_shift: Optional[dict[str, torch.Tensor]] = None) -> tuple[list[dict], list[dict]]:
     """Local SGD per `cfg.local` for every client in `clients` at once, on copies of `model`'s
-    structure. `start`: the weights every client starts from (one state dict), or one per
-    client. `penalty(params)`: added to a client's batch loss (FedProx's proximal term; under
+    structure, every client starting from the weights `start` (a state dict). `penalty(params)`: added to a client's batch loss (FedProx's proximal term; under
     vmap, `params` are that client's weights). `gradient_shift[name]` ([G, ...]) is added to
     client k's gradient before the optimizer's step; `weight_shift[name]` ([G, ...]) is
     subtracted, times lr, from its weights after each step (SCAFFOLD's two readings).
@@ -113,9 +112,8 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     device, g = clients[0].device, len(clients)
     lr = round_lr(loc, clients[0].round)
     momentum, decay, bs, steps = float(loc.momentum), float(loc.weight_decay), int(loc.batch_size), int(loc.steps)
-    starts = start if isinstance(start, list) else [start] * g
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {n: torch.stack([s[n].to(device) for s in starts]).requires_grad_() for n in trainable}
+    params = {n: start[n].to(device).expand(g, *start[n].shape).clone().requires_grad_() for n in trainable}
 
     # every client's batches, as rows of one tensor holding all the group's samples
     x = torch.cat([c.x for c in clients])
@@ -134,11 +132,11 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
     forward = stacked_forward(model) or vmap(lambda p, xb: functional_call(model, p, (xb,)))
     penalties = vmap(penalty) if penalty is not None else None
 
-    def client_losses(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    def client_losses(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each client's loss on its batch: [G]."""
         logits = forward(params, xb)
         per_sample = sample_loss(logits.flatten(0, 1), yb.flatten()).view(wb.shape)
-        losses = (per_sample * wb).sum(1) / wb.sum(1).clamp(min=1.0)
+        losses = (per_sample * wb).sum(1) / counts.clamp(min=1.0)
         return losses + penalties(params) if penalties is not None else losses
 
     buffers: dict[str, torch.Tensor] = {}
@@ -148,7 +146,7 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
         wb = weight[t]
         counts = wb.sum(1)
         active = (counts > 0).to(wb.dtype)
-        losses = client_losses(x[index[t]], y[index[t]], wb)
+        losses = client_losses(x[index[t]], y[index[t]], wb, counts)
         grads = torch.autograd.grad(losses.sum(), [params[n] for n in trainable])
         with torch.no_grad():
             total += losses.detach().double() * counts.double()
@@ -168,10 +166,9 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict | list
                     p.add_(weight_shift[n] * active.view(shape), alpha=-lr)
     states, stats = [], []
     final = {n: p.detach().cpu() for n, p in params.items()}
-    frozen = {n: v for n, v in model.state_dict().items() if n not in params}  # non-trainable: as they started
-    for k, c in enumerate(clients):
-        states.append({n: final[n][k].clone() if n in final else starts[k].get(n, frozen[n]).to("cpu", copy=True)
-                       for n in [*final, *frozen]})
+    frozen = [n for n in model.state_dict() if n not in params]  # non-trainable: as they started
+    for k in range(g):
+        states.append({**{n: final[n][k].clone() for n in final}, **{n: start[n].to("cpu", copy=True) for n in frozen}})
         count = int(weight[:, k].sum())
         stats.append({"loss": float(total[k]) / max(count, 1), "steps": n_steps[k], "lr": lr})
     return states, stats

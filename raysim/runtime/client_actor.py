@@ -99,8 +99,9 @@ class ClientActor:
                 done = [getattr(plugin, method)(part[0], payload)]
             else:
                 done = plugin.client_update_cohort(part, payload)
+            seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
-                result.metrics.setdefault("seconds", (time.perf_counter() - t0) / len(part))
+                result.metrics.setdefault("seconds", seconds)
                 if stateful:
                     # a state the call did not touch is not sent back: the driver keeps its reference
                     # (big cached state, e.g. FedConcat's features, is not copied every round)
