@@ -225,6 +225,23 @@ def test_moon_network_and_first_and_later_rounds():
     assert not all(torch.allclose(r2.update[k], r_plain2.update[k], atol=1e-6) for k in start)
 
 
+def test_moon_at_mu_0_is_fedavg_on_the_same_model(ray_local, tmp_path):
+    """The classifier reads the configured model's encoder (the default), so MOON without its
+    contrastive term is FedAvg bit for bit; with it, the models differ."""
+    from raysim.run import main
+
+    common = ["dataset=digits", "model=mlp", "num_clients=6", "participation=0.5", "rounds=3",
+              "partition=classes", "partition.k=2", f"output_dir={tmp_path}", "--quiet"]
+    for name, extra in (("fedavg", ["algorithm=fedavg"]), ("mu0", ["algorithm=moon", "moon.mu=0"]),
+                        ("mu1", ["algorithm=moon", "moon.mu=1"])):
+        assert main([*common, *extra, f"run_name={name}"]) == 0
+    fedavg, mu0, mu1 = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"]
+                        for n in ("fedavg", "mu0", "mu1"))
+    assert set(mu0) - set(fedavg) and all(k.startswith("projection.") for k in set(mu0) - set(fedavg))
+    assert all(torch.equal(fedavg[k], mu0[k]) for k in fedavg)
+    assert not all(torch.equal(fedavg[k], mu1[k]) for k in fedavg)
+
+
 def test_moon_first_participation_after_round_1():
     """Authors' code: a client first selected in a later round has its own initial network as
     'previous' (contrastive term active); `first_previous=global`: the global model (FedAvg's step)."""

@@ -177,8 +177,17 @@ def test_moon_builds_its_projection_network_through_the_same_hook():
     cfg = load_config(overrides=["algorithm=moon", "dataset=digits", "model=mlp"])
     from raysim.algorithms.moon import Moon
 
+    out_dim = int(OmegaConf.select(cfg, "moon.out_dim"))
+    torch.manual_seed(0)
     net = Moon(cfg, 10, (1, 8, 8)).build_model((1, 8, 8))
-    assert net.feature_dim == int(OmegaConf.select(cfg, "moon.out_dim"))
+    torch.manual_seed(0)
+    plain = build_model("mlp", (1, 8, 8), 10)
+    # default: the configured model untouched, the projection beside it
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in plain.state_dict().items())
+    assert net.projection(net.encoder(torch.randn(3, 1, 8, 8))).shape == (3, out_dim)
+    cfg.moon.classifier = "projection"  # the authors' chain: the classifier reads the projection
+    net = Moon(cfg, 10, (1, 8, 8)).build_model((1, 8, 8))
+    assert net.feature_dim == out_dim and net.head.in_features == out_dim
 
 
 def test_the_analysis_tool_writes_a_table_and_picture_and_sees_the_grouped_layers_aligned(ray_local, tmp_path):

@@ -1,13 +1,24 @@
 """MOON (Li, He and Song 2021): model-contrastive federated learning.
 
-The network is the configured model's encoder, then a projection head (Linear(f, f),
-ReLU, Linear(f, out_dim)), then a linear classifier on the projection z. The local loss is
+The network is the configured model plus a projection head P = Linear(f, f), ReLU,
+Linear(f, out_dim) on its encoder's features h. The local loss is
 
-    CE(classifier(z), y) + mu * l_con,
+    CE(logits, y) + mu * l_con,
     l_con = -log( exp(sim(z, z_glob)/T) / (exp(sim(z, z_glob)/T) + exp(sim(z, z_prev)/T)) )
 
-with sim the cosine similarity, z_glob from the global model received this round and
-z_prev from the client's own model after its previous round (client state), both frozen.
+with z = P(h), sim the cosine similarity, z_glob from the global model received this round
+and z_prev from the client's own model after its previous round (client state), both frozen.
+What the classifier reads (`moon.classifier`):
+- `encoder` (default): the configured model's own classifier on h; P only feeds l_con. At
+  mu = 0 MOON is FedAvg on the same model, bit for bit (tested), so MOON is compared
+  with FedAvg on one network;
+- `projection` (the authors' `ModelFedCon`): a new Linear(out_dim, C) on z, the encoder
+  then P then the classifier in one chain. The authors run FedAvg on that same network
+  (`use_project_head=1` for every algorithm); raysim's FedAvg runs the configured model.
+  Measured (MNIST #C=2, 10 clients, simple CNN, 20 rounds, seeds 0-2, last 10 rounds): at
+  mu = 0 this network scores 0.5427 against FedAvg's 0.7643: the two extra layers and the
+  linear 84 -> 256 -> 10 end (no non-linearity between P's output and the classifier)
+  drift further on two-class clients (benchmarks/README.md, "MOON's network").
 A client taking part for the first time has no previous model (`moon.first_previous`):
 - `initial` (default, the authors' code): in round 1 the pool of previous models is empty
   and the contrastive term is 0; a client first selected later uses its own initial
@@ -15,8 +26,9 @@ A client taking part for the first time has no previous model (`moon.first_previ
 - `global`: the global model stands in, so l_con is the constant log 2 (no gradient) and
   the client's first round is FedAvg's.
 Aggregation is FedAvg's, over all parts. Defaults mu = 1, T = 0.5, out_dim = 256.
-Reference: QinbinLi/MOON, main.py (`train_net_fedcon`, `old_nets_pool`): the same loss
-with one previous model (model_buffer_size 1).
+Reference: QinbinLi/MOON, model.py (`ModelFedCon`: features -> l1 -> ReLU -> l2 -> l3) and
+main.py (`train_net_fedcon`, `old_nets_pool`): the same loss with one previous model
+(model_buffer_size 1).
 """
 from __future__ import annotations
 
@@ -41,14 +53,32 @@ class MoonConfig:
     temperature: float = 0.5
     out_dim: int = 256  # projection size
     first_previous: str = "initial"  # a client's first round: initial (authors' code) | global
+    classifier: str = "encoder"  # what the classifier reads: encoder (mu=0 is FedAvg) | projection (authors' ModelFedCon)
+
+
+def projection_head(feature_dim: int, out_dim: int) -> nn.Sequential:
+    """Linear(f, f) -> ReLU -> Linear(f, out_dim): MOON's projection of the encoder's features."""
+    return nn.Sequential(nn.Linear(feature_dim, feature_dim), nn.ReLU(), nn.Linear(feature_dim, out_dim))
 
 
 def with_projection(base: EncoderHead, out_dim: int, num_classes: int) -> EncoderHead:
-    """base.encoder -> Linear(f, f) -> ReLU -> Linear(f, out_dim) -> classifier. Still an
+    """The authors' chain: base.encoder -> projection -> a new classifier. Still an
     `EncoderHead`, whose `encoder` now ends in the projection: z = model.encoder(x)."""
-    f = base.feature_dim
-    projection = nn.Sequential(nn.Linear(f, f), nn.ReLU(), nn.Linear(f, out_dim))
-    return EncoderHead(nn.Sequential(base.encoder, projection), out_dim, num_classes)
+    return EncoderHead(nn.Sequential(base.encoder, projection_head(base.feature_dim, out_dim)), out_dim, num_classes)
+
+
+def beside_projection(base: EncoderHead, out_dim: int) -> EncoderHead:
+    """The configured model untouched (its classifier reads its encoder) with the projection
+    as a side branch, `model.projection`, that only the contrastive term reads."""
+    base.projection = projection_head(base.feature_dim, out_dim)
+    return base
+
+
+def representation_and_logits(model: EncoderHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, logits) for either network: z the projection the contrastive term compares."""
+    h = model.encoder(x)
+    z = model.projection(h) if hasattr(model, "projection") else h
+    return z, model.head(h)
 
 
 def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -73,10 +103,16 @@ class Moon(FedAvg):
                               f"got {c.mu}, {c.temperature}, {c.out_dim}")
         if c.first_previous not in ("initial", "global"):
             raise ConfigError(f"moon.first_previous must be initial or global, got {c.first_previous!r}")
+        if c.classifier not in ("encoder", "projection"):
+            raise ConfigError(f"moon.classifier must be encoder or projection, got {c.classifier!r}")
 
     def build_model(self, input_shape: tuple) -> EncoderHead:
-        """The configured model with MOON's projection head (its init follows the base's)."""
-        return with_projection(super().build_model(input_shape), int(self.cfg.moon.out_dim), self.num_classes)
+        """The configured model with MOON's projection head (initialised after the base, so
+        the base's weights are FedAvg's)."""
+        base, out_dim = super().build_model(input_shape), int(self.cfg.moon.out_dim)
+        if self.cfg.moon.classifier == "projection":
+            return with_projection(base, out_dim, self.num_classes)
+        return beside_projection(base, out_dim)
 
     # ---- client ----
     def _nets(self, client: Client) -> list[EncoderHead]:
@@ -100,7 +136,9 @@ class Moon(FedAvg):
         glob.load_state_dict(payload["weights"])
         c = self.cfg.moon
         mu, t = float(c.mu), float(c.temperature)
-        if "prev" in client.state:
+        if mu == 0:
+            pass  # FedAvg's step: no frozen model is read
+        elif "prev" in client.state:
             prev.load_state_dict(client.state["prev"])
         elif c.first_previous == "global":
             prev.load_state_dict(payload["weights"])
@@ -112,10 +150,10 @@ class Moon(FedAvg):
         prev.eval()
 
         def loss(model, x, y):
-            z = model.encoder(x)
+            z, logits = representation_and_logits(model, x)
             with torch.no_grad():
-                z_glob, z_prev = glob.encoder(x), prev.encoder(x)
-            return F.cross_entropy(model.head(z), y) + mu * contrastive_loss(z, z_glob, z_prev, t)
+                z_glob, z_prev = representation_and_logits(glob, x)[0], representation_and_logits(prev, x)[0]
+            return F.cross_entropy(logits, y) + mu * contrastive_loss(z, z_glob, z_prev, t)
 
         stats = local_sgd(client, net, loss if mu else (lambda model, x, y: F.cross_entropy(model(x), y)))
         state = cpu_state(net)
