@@ -107,7 +107,7 @@ def client_results(before, clients):
 
 
 def test_fed2_pairs_groups_over_their_holders_shared_buffers_take_the_plain_mean():
-    algo, before = fed2_after_setup("fed2.norm=batch")
+    algo, before = fed2_after_setup("fed2.norm=batch", "fed2.pairing=holders")
     rows = algo.row_groups
     key = next(k for k in rows if k.startswith("head."))  # group 0's classifier block
     bn = next(k for k in before if k.endswith("running_mean"))
@@ -132,13 +132,27 @@ def test_fed2_pairs_groups_over_their_holders_shared_buffers_take_the_plain_mean
 
 
 def test_classifier_all_averages_the_decoupled_classifier_over_every_client():
-    algo, before = fed2_after_setup("fed2.classifier=all")
+    algo, before = fed2_after_setup("fed2.pairing=holders", "fed2.classifier=all")
     assert not any(k.startswith("head.") for k in algo.row_groups) and algo.row_groups  # features still paired
     results = client_results(before, [(10, [10, 0, 0, 0, 0]), (30, [0, 30, 0, 0, 0])])
     algo.aggregate(1, iter(results))
     after = algo.model.state_dict()
     head = "head.heads.4.weight"  # group 4: nobody holds its classes, yet both clients' updates count
     assert torch.allclose(after[head], before[head] + (10 * 1 + 30 * 2) / 40)
+
+
+def test_structure_pairing_averages_every_group_over_every_client_by_samples():
+    """The default reading: group g of every model carries the same classes, so it is
+    averaged with group g of every model, as FedAvg would, whoever holds its classes."""
+    algo, before = fed2_after_setup("fed2.norm=batch")
+    assert algo.row_groups == {}
+    results = client_results(before, [(10, [10, 0, 0, 0, 0]), (30, [20, 10, 0, 0, 0])])
+    metrics = algo.aggregate(1, iter(results))
+    after = algo.model.state_dict()
+    for k, v in before.items():  # client i sent before + i + 1: every float entry moves by (10*1 + 30*2) / 40
+        if v.is_floating_point():
+            assert torch.allclose(after[k], v + 1.75), k
+    assert metrics["groups_held"] == 2
 
 
 def test_the_nx5_partition_gives_every_node_exactly_five_classes():

@@ -63,8 +63,9 @@ class Fed2Config:
     groups: int = 10  # G
     allocation: str = "blocks"  # classes to groups: blocks (C/G consecutive classes) | round_robin
     norm: str = "group"  # the network's normalisation: group (the paper) | batch | none
-    buffers: str = "paired"  # grouped BatchNorm statistics: paired (with their group) | plain (sample mean)
-    classifier: str = "paired"  # the decoupled classifier: paired (the paper) | all (averaged over every client)
+    pairing: str = "structure"  # which clients' group g is averaged: structure (every client's) | holders (of g's classes)
+    buffers: str = "paired"  # holders: grouped BatchNorm statistics with their group (paired) | by the sample mean (plain)
+    classifier: str = "paired"  # holders: the decoupled classifier paired too | averaged over every client (all)
 
 
 def groupable_models() -> list[str]:
@@ -84,7 +85,8 @@ class Fed2(FedAvg):
         if not (c.layers >= 2 and c.groups >= 2):
             raise ConfigError(f"fed2.layers and fed2.groups must be >= 2, got {c.layers} and {c.groups}")
         for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS),
-                             ("buffers", ("paired", "plain")), ("classifier", ("paired", "all"))):
+                             ("pairing", ("structure", "holders")), ("buffers", ("paired", "plain")),
+                             ("classifier", ("paired", "all"))):
             if c[key] not in allowed:
                 raise ConfigError(f"fed2.{key} must be one of {', '.join(allowed)}, got {c[key]!r}")
         clash = [k for k in STRUCTURE if k in cfg.model_options]
@@ -101,6 +103,9 @@ class Fed2(FedAvg):
     # ---- server ----
     def setup(self, server: Server) -> None:
         super().setup(server)
+        if self.cfg.fed2.pairing == "structure":  # group g pairs with group g of every model: one shared weight
+            self.row_groups = {}
+            return
         rows = self.model.parameter_groups(buffers=self.cfg.fed2.buffers == "paired")
         if self.cfg.fed2.classifier == "all":  # group logits also learn from the clients without their classes
             rows = {k: v for k, v in rows.items() if not k.startswith("head.")}
