@@ -178,6 +178,20 @@ def test_fed2_gives_the_same_model_with_1_and_3_actors(ray_local, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_fed2_by_default_is_fedavg_on_the_adapted_network(ray_local, tmp_path):
+    """Structure pairing: Fed2's aggregation is FedAvg's, so its models equal FedAvg's on the
+    same grouped network bit for bit; the holders reading gives other models."""
+    runs = {"fed2": [*COMMON], "holders": [*COMMON, "fed2.pairing=holders"],
+            "fedavg": [*(a for a in COMMON if not a.startswith(("algorithm", "fed2"))), "algorithm=fedavg",
+                       "model_options.groups=5", "model_options.grouped_layers=6", "model_options.norm=group",
+                       "local.lr=0.01"]}  # fed2's config group sets lr 0.01
+    for name, args in runs.items():
+        assert main([*args, "rounds=2", f"output_dir={tmp_path}", f"run_name={name}", "--quiet"]) == 0
+    fed2, holders, fedavg = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in runs)
+    assert set(fed2) == set(fedavg) and all(torch.equal(fed2[k], fedavg[k]) for k in fed2)
+    assert not all(torch.equal(fed2[k], holders[k]) for k in fed2)
+
+
 def test_fed2_resumed_mid_run_gives_the_same_model(ray_local, tmp_path):
     common = [*COMMON, "checkpoint_every=1", f"output_dir={tmp_path}", "--quiet"]
     assert main([*common, "rounds=1", "run_name=part"]) == 0
