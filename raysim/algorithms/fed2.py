@@ -8,36 +8,34 @@ averaging.
   and GroupNorm for BatchNorm (`fed2.norm`). Built by `models/layered.py` for VGG-9, VGG-11,
   VGG-16 and MobileNet-v1; the same network on the server and in every client actor.
 - Local training: FedAvg's. Each client also reports how many of its samples belong to
-  each group's classes.
-- Feature paired averaging (`aggregate`): shared layers by the sample-weighted mean (FedAvg);
-  group g's parameters by the mean over the clients holding group g's classes, weighted by
-  those samples; a group no selected client holds keeps its value. Built on the general
-  `training.GroupWeightedMean` (per-parameter-group weights). Buffers of shared layers take
-  the plain sample-weighted mean; a grouped layer's BatchNorm statistics go with their
-  group (`fed2.buffers`, below), so they describe the weights they normalise.
+  each group's classes (metric `groups_held`).
+- Feature paired averaging (`aggregate`, `fed2.pairing`): shared layers by the
+  sample-weighted mean (FedAvg, Eq. 18); for the grouped layers, Eq. 19 averages a group
+  with the groups it is "paired" with, and the paper pairs groups by the logits they are
+  mapped to ("our group pairing process only needs to match the learning logits"):
+  - `structure` (default): the structure adaptation gives group g the same classes in every
+    model, so group g is paired with group g of every model and averaged over all the
+    round's clients by samples. This is FedAvg on the adapted network (tested bit for bit);
+    the alignment comes from the structure, not from who averages what;
+  - `holders` (ALGORITHMS.md's reading): group g averaged only over the clients holding
+    group g's classes, weighted by those samples; a group no selected client holds keeps
+    its value (`training.GroupWeightedMean`). A grouped layer's BatchNorm statistics go
+    with their group (`fed2.buffers: paired`) or take the plain mean (`plain`);
+    `fed2.classifier: all` averages the decoupled classifier over every client.
 
-Defaults are the paper's: L = 6 layers, G = 10 groups, GroupNorm. No public code of the
-authors was found; the statement follows the paper (Sec. 4-5) and ../shared/ALGORITHMS.md.
+Why `structure` is the default, measured (issue 26; benchmarks/results-fed2-pairing.txt):
+under `holders` a group's logits never hear from the clients without its classes -- the
+"push down" a client gives the classes it lacks -- so absent-class logits drift up (mean
+logit of the classes a sample is not: 9.2 under Fed2+GN, 17.0 under Fed2+BN, 0.03 under
+FedAvg on the same network, digits, round 14) and training diverges: MNIST #C=3 over 10
+nodes, all per round, VGG-9+GN, lr 0.01 momentum 0.9, seed 0: training loss 1.21, 0.45,
+0.34, 0.41, 0.52, 1.29, 6.33, 5.10, 3.51, 6.57 under `holders`; 1.21, 0.60, 0.26, 0.25,
+0.29, 0.34, 0.21, 0.18, 0.11, 0.12 under `structure`. The paper's MNIST-style split (10
+nodes x 5 classes, half per round, 20 rounds, 3 seeds): see the results file.
 
-Options beyond the paper, from measurements (VGG-9 on digits, 10 nodes x 5 classes, SGD
-lr 0.02 momentum 0.9; configs/sweeps/fed2_ablation_digits.yaml):
-- `fed2.buffers`: a grouped layer's BatchNorm statistics are averaged with their group
-  (`paired`, default: statistics from the clients whose weights they normalise) or by the
-  plain sample mean (`plain`). Both gave Fed2+BN 29-49 % final accuracy at this lr.
-- `fed2.classifier`: `paired` (the paper) or `all`. Pairing throws away what the clients
-  without group g's classes teach group g's logit: that it should be low on their data.
-  Measured on the test set, the mean logit of the classes a sample is *not* is 9.2 under
-  Fed2+GN and 17.0 under Fed2+BN (round 14, rising), against 0.03 for FedAvg on the same
-  grouped network. With GroupNorm this stays stable (98.4 % vs FedAvg+GN's 98.7 %); with
-  BatchNorm at lr 0.02 the local training loss climbs from 0.2 to hundreds after round
-  10 (at lr 0.005 it trains on 2 of 3 seeds, 97.7 and 98.7 %). `all` averages the decoupled classifier over
-  every client (only the grouped feature layers are paired). On the default digits run
-  (Dirichlet, 20 clients, 10 per round, 2 epochs, GroupNorm) at lr 0.02, `paired` swings
-  (0.91 at round 9, 0.11 at round 18, 0.94 at 30) where `all` climbs steadily to 0.99;
-  at lr 0.01 (this algorithm's config group) `paired` is steady too (0.97).
-On the MNIST split with half the 10 nodes per round (20 rounds, lr 0.01) Fed2+GN ends at
-89.8 % against FedAvg+GN's 98.1 %, swinging between rounds (best 96.8 %): a group is
-averaged over the round's one or two holders of its classes only.
+No public code of the authors was found; a public review of the paper (creatis-myriad,
+2022) reads the aggregation the same way: "groups of parameters dedicated to the same
+classes are averaged together".
 """
 from __future__ import annotations
 
