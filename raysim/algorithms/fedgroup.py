@@ -29,7 +29,11 @@ code compares with the group's latest aggregated update (`direction: latest`). E
 and metrics: see clustered.py. Reference: morningD/FlexCFL, flearn/trainer/fedgroup.py
 (group_cold_start, clustering_clients, _calculate_data_driven_measure, client_cold_start)
 and groupbase.py (inter_group_aggregation); its KMeans runs at most 20 iterations
-(`kmeans_iter`).
+(`kmeans_iter`). The paper's Table III comes from the conference code, morningD/GrouProx
+(FedProx's): the same evaluation (every client's test data; its MCLR's L2 term is never
+added to the loss), lr, E and batch as configs/experiments/fedgroup_table3_synthetic.yaml.
+Our columns sit 4-9 points under the paper's, FedAvg's included; 200 rounds and FedProx's
+90/10 split do not close it (benchmarks/README.md, "FedGroup's set-up against the paper's").
 """
 from __future__ import annotations
 
