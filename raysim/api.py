@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Union
 
+from raysim.errors import NothingToDo
 from raysim.launch import check, launch, quiet, say_on_stderr, start_ray
 
 
@@ -76,7 +77,11 @@ def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *,
     `python -m raysim.run`. `progress` prints the start-up lines and a progress bar."""
     t_start = time.time()
     say = say_on_stderr(t_start) if progress else quiet
-    layers, cfg = check(list(config), as_overrides(overrides, **keys), say)
+    try:
+        layers, cfg = check(list(config), as_overrides(overrides, **keys), say)
+    except NothingToDo as e:  # resume= of a finished run: its results, nothing rerun
+        say(str(e))
+        return RunResult.read(e.run_dir)
     start_ray(cfg.ray, say)
     summary = launch(layers, cfg, t_start, progress=progress, say=say)
     return RunResult.read(summary["run_dir"])

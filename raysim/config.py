@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
@@ -275,17 +276,73 @@ def find_config(path: str) -> str:
     raise ConfigError(f"config file {path!r} not found (looked in {Path.cwd()} and in the shipped configs, {CONFIG_DIR})")
 
 
-def _read_yaml(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {path!r} not found")
+# A config is a few kilobytes. These bounds refuse, before any expansion, files that are
+# not configs: binary junk, and YAML alias bombs (a 290-byte file of nested anchors
+# expands to a billion nodes: minutes and gigabytes for the plain loader).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 200_000
+
+
+def load_yaml(text: str, source: str):
+    """`yaml.safe_load(text)` after checking that the document expands to at most
+    MAX_YAML_NODES nodes (aliases counted as often as they are used) and refers to no
+    node inside itself; `source` names the file or key in the messages."""
     try:
-        data = yaml.safe_load(p.read_text())
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
+        raise ConfigError(f"malformed YAML in {source}{where}: {problem}") from None
+    sizes: dict = {}
+
+    def size(node) -> int:  # the node's size with every alias expanded, each shared node counted once
+        if id(node) in sizes:
+            if sizes[id(node)] is None:
+                raise ConfigError(f"malformed YAML in {source}: an alias refers to a node that contains it")
+            return sizes[id(node)]
+        sizes[id(node)] = None
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            n += sum(size(c) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n += sum(size(k) + size(v) for k, v in node.value)
+        if n > MAX_YAML_NODES:
+            raise ConfigError(f"{source} expands to more than {MAX_YAML_NODES:,} YAML nodes (anchors and aliases "
+                              "nested in each other); a raysim config is a few hundred")
+        sizes[id(node)] = n
+        return n
+
+    try:
+        if root is not None:
+            size(root)
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"malformed YAML in {source}: nested too deeply") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"malformed YAML in {source}: {str(e).splitlines()[0]}") from None
+
+
+def read_text_file(path: str, what: str = "config file") -> str:
+    """A small UTF-8 text file's text, or one line saying why it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {path!r} not found")
+    size = p.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ConfigError(f"{what} {path} is {size:,} bytes; a YAML config is at most {MAX_YAML_BYTES:,}: is it "
+                          "the right file?")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start} is 0x{p.read_bytes()[e.start]:02x}): "
+                          "is it a YAML file?") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror or e}") from None
+
+
+def _read_yaml(path: str) -> dict:
+    data = load_yaml(read_text_file(path), path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -303,9 +360,11 @@ def _parse_overrides(overrides: Iterable[str]) -> dict:
         if not key:
             raise ConfigError(f"override {item!r} has no key")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+            value = load_yaml(raw, f"override {key}") if raw != "" else ""
+        except ConfigError as e:
+            if "expands to" in str(e) or "refers to a node" in str(e):
+                raise
+            value = raw  # not YAML: the text itself
         if key == "partition" and isinstance(value, str):
             key = "partition.name"
         node = out
@@ -378,7 +437,7 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
     names = [short(s) if s != OVERRIDES else "overrides" for s, data in layers if data or s != OVERRIDES]
     lines = [f"config: {' < '.join(names)}"]
     for source, name, key in unused_sections(layers, cfg):
-        if source != OVERRIDES:
+        if source != OVERRIDES and not cfg.get("resume"):  # a run's config.yaml holds every section: no news
             lines.append(f"note: {short(source)} sets {name}.*, which {key}={cfg[key]} does not read")
     return lines
 
@@ -440,22 +499,48 @@ def run_record(cfg: DictConfig) -> dict:
     return out
 
 
+def record_diff(record: dict, cfg: DictConfig) -> list[str]:
+    """The dotted keys whose value in `record` (a `run_record`) differs from `cfg`'s; a key
+    the record lacks at its default value (added to raysim since) is no difference."""
+    now = run_record(cfg)
+    missing = object()
+    added = run_record(OmegaConf.structured(Config))
+    return [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)
+            and not (k not in record and k in added and now.get(k) == added[k])]
+
+
+def describe_diff(diff: list[str], record: dict, cfg: DictConfig) -> str:
+    """'lr was 0.1, is 0.01 and 2 more (seed, rounds)': the first differing key in full."""
+    now = run_record(cfg)
+    k = diff[0]
+    more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
+    return f"{k} was {record.get(k)!r}, is {now.get(k)!r}{more}"
+
+
 def check_resumable(record: Optional[dict], cfg: DictConfig, where: str) -> None:
     """Refuse to resume when the run's config.yaml no longer says what its checkpoint was made with."""
     if record is None:
         raise ConfigError(f"resume: the checkpoint in {where} has no record of the config it was made with "
                           "(written by an older raysim), so config.yaml cannot be checked against it")
-    now = run_record(cfg)
-    missing = object()
-    # a key the record lacks at its default value: added to raysim since the checkpoint was written
-    added = run_record(OmegaConf.structured(Config))
-    diff = [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)
-            and not (k not in record and k in added and now.get(k) == added[k])]
+    diff = record_diff(record, cfg)
     if diff:
-        k = diff[0]
-        more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
         raise ConfigError(f"resume: {where}/config.yaml no longer matches the config its checkpoint was made with: "
-                          f"{k} was {record.get(k)!r}, is {now.get(k)!r}{more}; restore config.yaml or start a new run")
+                          f"{describe_diff(diff, record, cfg)}; restore config.yaml or start a new run")
+
+
+def name_plugins_used(cfg: DictConfig) -> None:
+    """Add to `plugins` the module of each chosen part that a plugin registered and
+    `plugins` does not name (one imported by an earlier `raysim.simulate` in this process):
+    the run's actors import it, and its config.yaml says which code it ran."""
+    named = [str(m) for m in cfg.plugins]
+    for reg, name in ((registry.DATASETS, cfg.dataset), (registry.PARTITIONS, cfg.partition.name),
+                      (registry.MODELS, cfg.model), (registry.ALGORITHMS, cfg.algorithm),
+                      (registry.SELECTIONS, cfg.selection)):
+        module = registry.module_of(reg.get(name)) if name in reg else ""
+        if module and not module.startswith("raysim.") and module != "__main__" and module not in named:
+            named.append(module)
+    if named != list(cfg.plugins):
+        cfg.plugins = named
 
 
 def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
@@ -469,6 +554,7 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
         cfg = _merge(cfg, data, source)
     validate(cfg)
     check_sections(layers, cfg)
+    name_plugins_used(cfg)
     if cwd is not None:
         for key in ("data_dir", "output_dir", "resume"):
             if cfg[key] is not None:
@@ -547,10 +633,20 @@ def validate(cfg: DictConfig) -> None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,
              f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    address = cfg.ray.address
+    m = re.fullmatch(r"(ray://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", str(address))
+    need(address is None or address == "auto" or (m is not None and 1 <= int(m.group(3)) <= 65535),
+         f"ray.address={address!r} is not an address Ray can join: give auto (the cluster this machine is part "
+         "of), HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray Client), or leave it "
+         "unset for a local Ray")
     need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
     name = cfg.run_name
     need(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
          f"run_name={name!r} must be a plain folder name inside output_dir (no '/', '\\' or '..')")
+    need(name is None or (len(str(name).encode("utf-8", "surrogateescape")) <= 200
+                          and not any(ord(ch) < 32 or ord(ch) == 127 for ch in str(name))),
+         f"run_name must be at most 200 bytes with no control characters (file systems take 255 for a name), "
+         f"got {len(str(name).encode('utf-8', 'surrogateescape'))} bytes: {str(name)[:40]!r}...")
     need(cfg.input_scale in ("standardize", "unit"),
          f"input_scale must be standardize or unit, got {cfg.input_scale!r}")
     need(cfg.eval_every >= 1, f"eval_every must be >= 1, got {cfg.eval_every}")

@@ -2,8 +2,24 @@
 
 `ConfigError` (in raysim.config) is bad input, found before anything is written (exit 2);
 `RunDiverged` is a run whose loss or model turned non-finite (exit 3): the rounds before
-it are kept in the run directory, with a summary that says where it stopped."""
+it are kept in the run directory, with a summary that says where it stopped; `WriteFailed`
+is a run directory that could not be written (a full disk): exit 1, the last good
+checkpoint named."""
 
 
 class RunDiverged(Exception):
     """The training loss or a model weight became NaN or infinite; the message is one line."""
+
+
+class WriteFailed(Exception):
+    """A run file could not be written (no space left, quota, I/O error); the message is one
+    line naming the file and the last checkpoint a resume can start from."""
+
+
+class NothingToDo(Exception):
+    """`resume=` of a run that already finished all its rounds: nothing runs, nothing is
+    rewritten; the message says so (exit 0)."""
+
+    def __init__(self, message: str, run_dir: str = ""):
+        super().__init__(message)
+        self.run_dir = run_dir

@@ -3,6 +3,8 @@ before anything is written: the dataset, its partition, the model's fit, the run
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,6 +112,11 @@ def run_dir_for(cfg: DictConfig) -> Path:
             if not folder.is_dir():
                 raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder; "
                                   "choose another output_dir")
+            try:  # writable, found now rather than after Ray started (a read-only mount, /proc, no permission)
+                os.rmdir(tempfile.mkdtemp(prefix=".raysim-check-", dir=folder))
+            except OSError as e:
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: cannot create folders in {folder} "
+                                  f"({e.strerror or type(e).__name__}); choose another output_dir") from None
             break
     run_dir = out / name
     if run_dir.exists():

@@ -20,7 +20,7 @@ import time
 from typing import Callable, Optional
 
 from raysim.config import ConfigError, describe_layers, read_layers, resolve
-from raysim.errors import RunDiverged
+from raysim.errors import NothingToDo, RunDiverged, WriteFailed
 
 # Set by the CLI's Ctrl-C / SIGTERM handler (run.py). A KeyboardInterrupt raised inside Ray's
 # own code can be lost there (seen: a Ctrl-C in round 2 ignored, all 400 rounds run); the
@@ -61,7 +61,10 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
     cfg = resolve(layers, os.getcwd())
     if cfg.resume:
         from raysim.runtime.checkpoint import load_checked
+        from raysim.runtime.run_lock import check_free
 
+        check_finished(cfg)
+        check_free(cfg.resume)  # not being run by another process right now
         load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
     else:
         from raysim.experiment import run_dir_for
@@ -70,6 +73,20 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
     for line in describe_layers(layers, cfg):
         say(line)
     return layers, cfg
+
+
+def check_finished(cfg) -> None:
+    """`resume=` of a run whose summary says it finished `rounds` rounds: `NothingToDo`."""
+    import json
+    from pathlib import Path
+
+    try:
+        summary = json.loads((Path(cfg.resume) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(summary, dict) and summary.get("status") == "finished" and summary.get("rounds", 0) >= int(cfg.rounds):
+        raise NothingToDo(f"run {cfg.resume} already finished ({summary['rounds']} rounds); nothing to do "
+                          f"(rounds=N with N > {summary['rounds']} runs more rounds)", str(cfg.resume))
 
 
 def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
@@ -92,12 +109,19 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
             out = ("ok", layers, OmegaConf.to_container(cfg))
         except ConfigError as e:
             out = ("error", str(e), None)
+        except NothingToDo as e:
+            out = ("finished", str(e), None)
+        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+            out = ("interrupted", "", None)
         except BaseException as e:  # noqa: BLE001  (reported by the parent, as in-process)
             out = ("crash", f"{type(e).__name__}: {e}", None)
-        with os.fdopen(write, "wb") as f:
-            pickle.dump(out, f)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            with os.fdopen(write, "wb") as f:
+                pickle.dump(out, f)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001  (the parent is gone, e.g. Ctrl-C: nothing to say)
+            pass
         os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
@@ -108,8 +132,12 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
     kind, first, cfg = pickle.loads(data)
     if kind == "error":
         raise ConfigError(first)
-    if kind == "crash":
-        raise RuntimeError(first)
+    if kind == "finished":
+        raise NothingToDo(first)
+    if kind == "interrupted":
+        raise KeyboardInterrupt
+    if kind == "crash":  # not bad input the checks know: a bug, said in one line
+        raise RunFailed(f"checking the config failed: {first}")
     return first, OmegaConf.create(cfg)
 
 
@@ -127,7 +155,8 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
 
         check_reachable(ray_cfg.address)
         try:
-            ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
+            with interruptible("while joining the Ray cluster"):
+                ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {first_line(e)}") from None
         return False
@@ -137,9 +166,10 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
 
         try:
             store = ray_cfg.get("object_store_gb")
-            ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
-                           object_store_memory=int(store * 2**30) if store else None,
-                           logging_level=logging.ERROR, log_to_driver=False)
+            with interruptible("while starting the local Ray"):
+                    ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
+                               object_store_memory=int(store * 2**30) if store else None,
+                               logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
             raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
                               "logs are in its temp folder's session_latest/logs; a time-out here means the "
@@ -152,6 +182,54 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
         say(f"Ray's dashboard: http://{ctx.dashboard_url} (it asks for a token only when Ray runs with "
             "RAY_AUTH_MODE=token: see README, Security)")
     return True
+
+
+@contextlib.contextmanager
+def interruptible(what: str):
+    """Ctrl-C and SIGTERM end the process at once (exit 130) while the block runs, even when
+    the main thread sits in Ray's C++ code and never returns to Python to run a signal
+    handler (`ray.init` retrying an address). Python's C-level handler writes each signal's
+    number to a wake-up pipe; a watcher thread reads it and exits, stopping the processes
+    this one started (a half-started local Ray). Outside the main thread: a plain block."""
+    import select
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if select.select([r], [], [], 0.2)[0]:
+                got = os.read(r, 64)
+                if not done.is_set() and (signal.SIGINT in got or signal.SIGTERM in got):
+                    print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
+                    _stop_children()
+                    os._exit(130)
+
+    watcher = threading.Thread(target=watch, name="raysim-interruptible", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        watcher.join()
+        os.close(r)
+        os.close(w)
+
+
+def _stop_children() -> None:
+    """Kill this process's child processes (a local Ray's raylet, GCS and workers)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 @contextlib.contextmanager
@@ -172,14 +250,41 @@ def loopback_only():
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail within `timeout` seconds when nothing listens at a host:port `ray.address`
-    (Ray itself retries for minutes). 'auto' is left to Ray, which answers at once."""
+    """Fail within about `timeout` seconds, with one line, when `ray.address` is not a Ray
+    head: nothing listens there, or something else does (the dashboard's port, an SSH
+    tunnel to another service, a proxy). Ray itself retries such an address for minutes, or
+    for ever, printing C++ warnings. A GCS address is asked the GCS's own question
+    (`GetClusterId`, plain gRPC with a deadline); `ray://` (Ray Client) and `auto` are left
+    to Ray, which answers them at once."""
+    if address == "auto" or address.startswith("ray://"):
+        if address.startswith("ray://"):
+            host, port = address[len("ray://"):].rsplit(":", 1)
+            _connect(address, host, port, timeout)
+        return
+    host, port = address.rsplit(":", 1)
+    _connect(address, host, port, timeout)
+    import grpc
+
+    channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)])
+    try:
+        channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=timeout)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        if code == grpc.StatusCode.UNAUTHENTICATED:  # a GCS with token auth (RAY_AUTH_MODE=token): Ray's
+            return
+        why = ("it does not answer within {:g} s".format(timeout) if code == grpc.StatusCode.DEADLINE_EXCEEDED
+               else "it speaks gRPC but has no Ray GCS service" if code == grpc.StatusCode.UNIMPLEMENTED
+               else "it does not speak Ray's protocol (gRPC)")
+        raise ConfigError(f"ray.address={address!r}: {host}:{port} answers but is not a Ray head node's GCS ({why}); "
+                          "give the head node's GCS address (`ray status` on the head node; port 6379 by default), "
+                          "not the dashboard's (8265) or the Ray Client's (10001, as ray://host:10001)") from None
+    finally:
+        channel.close()
+
+
+def _connect(address: str, host: str, port: str, timeout: float) -> None:
     import socket
 
-    hostport = address.split("://", 1)[-1]
-    if address == "auto" or ":" not in hostport:
-        return
-    host, port = hostport.rsplit(":", 1)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except (OSError, ValueError) as e:
@@ -196,6 +301,15 @@ def first_line(e: BaseException) -> str:
 
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
            driver_name: str = "raysim-server") -> dict:
+    """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
+    from raysim.runtime.run_lock import RunLock
+
+    with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
+        return drive(layers, cfg, t_start, progress, say, driver_name)
+
+
+def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
+          driver_name: str = "raysim-server") -> dict:
     """Start the driver actor on this node (it writes the run directory here), or take the
     one a finished run of this session left (`ray.reuse_workers`, runtime/pool.py), wait for
     the client actors, run every round, return the summary. `driver_name`: the driver
@@ -277,7 +391,7 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
 
 
 def _is_ours(e: BaseException) -> bool:
-    return isinstance(e, (ConfigError, RunDiverged))
+    return isinstance(e, (ConfigError, RunDiverged, WriteFailed))
 
 
 def flush(driver) -> None:

@@ -19,8 +19,11 @@ class Registry:
 
     def register(self, name: str) -> Callable[[Any], Any]:
         def deco(obj: Any) -> Any:
-            if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            old = self._items.get(name)
+            if old is not None and old is not obj and _origin(old) != _origin(obj):
+                raise ValueError(f"{self.kind} {name!r} is registered twice: by {_origin(old)[0]} and by "
+                                 f"{_origin(obj)[0]}; give one of them another name")
+            # the same module and name again (a plugin re-imported or reloaded): the new one replaces
             self._items[name] = obj
             return obj
 
@@ -60,15 +63,39 @@ PLUGIN_MODULES = [
 _loaded = False
 
 
+def _origin(obj: Any) -> tuple:
+    return getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+
+
+def module_of(obj: Any) -> str:
+    return getattr(obj, "__module__", "") or ""
+
+
 def import_modules(names) -> None:
-    """Import user plugin modules (config key `plugins`), which register themselves."""
+    """Import user plugin modules (config key `plugins`), which register themselves. Any
+    error while importing one (not found, a SyntaxError, an exception its code raises) is
+    one `ConfigError` line naming the module and its own file and line."""
     from raysim.config import ConfigError
 
     for name in names:
         try:
             importlib.import_module(str(name))
-        except ImportError as e:
+        except ModuleNotFoundError as e:
             raise ConfigError(f"plugins: cannot import module {name!r}: {e}") from None
+        except SyntaxError as e:
+            raise ConfigError(f"plugins: module {name!r} has a syntax error: {e.msg} at {e.filename}:{e.lineno}") from None
+        except Exception as e:  # noqa: BLE001  (the plugin's own code raised while importing)
+            raise ConfigError(f"plugins: importing module {name!r} failed: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}{_where(e)}") from None
+
+
+def _where(e: BaseException) -> str:
+    """' at FILE:LINE' of the innermost frame outside Python's import machinery."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename
+              and not f.filename.endswith("registry.py")]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def load_plugins() -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from raysim.config import ConfigError
-from raysim.errors import RunDiverged
+from raysim.errors import NothingToDo, RunDiverged, WriteFailed
 from raysim.launch import DriverDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
 
 
@@ -93,6 +93,26 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     t_start = t_start or time.time()
     args = _parser().parse_intermixed_args(argv)
     say = quiet if args.quiet else say_on_stderr(t_start)
+    from raysim.launch import stop_requested
+
+    stop_requested.clear()
+    # Ctrl-C and SIGTERM work at every moment: from here (checks, starting Ray) to the end;
+    # inside ray.init, launch.interruptible takes over while Python code cannot run
+    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
+    previous_int = signal.signal(signal.SIGINT, _terminate) if _main_thread() else None
+    try:
+        return _main(args, say, t_start)
+    except KeyboardInterrupt:
+        print("interrupted before the run started: nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
+
+
+def _main(args, say, t_start: float) -> int:
     try:
         if args.list:
             print(list_plugins(args.overrides))
@@ -106,14 +126,18 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NothingToDo as e:
+        print(str(e), file=sys.stderr)
+        return 0
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
     import ray
 
-    from raysim.launch import stop_requested
-
-    stop_requested.clear()
-    previous = signal.signal(signal.SIGTERM, _terminate)  # after ray.init, whose handler dumps a stack and aborts
-    previous_int = signal.signal(signal.SIGINT, _terminate) if _main_thread() else None
+    if _main_thread():  # again: ray.init installs its own SIGTERM handler, which dumps a stack and aborts
+        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGINT, _terminate)
     try:
         summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
     except ConfigError as e:  # raised by the driver while checking the data, before anything is written
@@ -122,7 +146,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     except RunDiverged as e:  # the loss or the model turned non-finite: the rounds before are kept
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (DriverDied, RunFailed) as e:
+    except (DriverDied, RunFailed, WriteFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:
@@ -131,9 +155,6 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     finally:
         if started:
             ray.shutdown()  # the local Ray we started, its agents included
-        signal.signal(signal.SIGTERM, previous)
-        if previous_int is not None:
-            signal.signal(signal.SIGINT, previous_int)
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
     if acc is None:
         print("no evaluation ran")

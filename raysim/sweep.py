@@ -56,18 +56,16 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
     """(name, config files, fixed overrides, grid {key: [value strings]})."""
     name, files, fixed, grid = None, [], [], {}
     if file is not None:
-        from omegaconf import OmegaConf
-
-        from raysim.config import find_config
+        from raysim.config import find_config, load_yaml, read_text_file
 
         try:
             file = Path(find_config(str(file)))  # configs/sweeps/x.yaml: the shipped file from any directory
         except ConfigError:
             raise ConfigError(f"sweep file {file} not found") from None
-        try:
-            spec = OmegaConf.to_container(OmegaConf.load(file))
-        except Exception as e:
-            raise ConfigError(f"sweep file {file} is not valid YAML: {str(e).splitlines()[0]}") from None
+        spec = load_yaml(read_text_file(str(file), "sweep file"), str(file))
+        if spec is not None and not isinstance(spec, dict):
+            raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
+                              f"{type(spec).__name__}")
         unknown = set(spec or {}) - {"name", "config", "fixed", "grid"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
@@ -138,11 +136,40 @@ def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
             cfg = resolve(read_layers(files, overrides))
         except ConfigError as e:
             raise ConfigError(f"point {name}: {e}") from None
+        if state != "new":
+            check_same_point(run_dir, cfg, name, state)
         if any(p["name"] == name for p in points):
             raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
         points.append({"name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
                        "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor})
     return points
+
+
+def check_same_point(run_dir: Path, cfg, name: str, state: str) -> None:
+    """A point's folder from an earlier run of the sweep counts (done, or resumed when
+    partial) only if that run computed what this point asks for: its config.yaml must agree
+    with the point's config on every key that decides the result, `rounds` included.
+    Otherwise the sweep is refused: reporting another config's results as this one's is
+    the one thing a sweep must never do."""
+    from raysim.config import _read_yaml, record_diff, run_record
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():  # a folder with no config: a point that stopped before it wrote anything
+        return
+    from omegaconf import OmegaConf
+
+    data = _read_yaml(str(saved))
+    record = run_record(OmegaConf.create(data))
+    diff = record_diff(record, cfg) + (["rounds"] if data.get("rounds") != cfg.rounds else [])
+    if diff:
+        record["rounds"] = data.get("rounds")
+        now = dict(run_record(cfg), rounds=cfg.rounds)
+        first = diff[0]
+        more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
+        what = "finished" if state == "done" else "unfinished"
+        raise ConfigError(f"point {name}: {run_dir} holds a {what} run of another config ({first} was "
+                          f"{record.get(first)!r}, is {now.get(first)!r}{more}); give the sweep another --name or "
+                          "--output-dir, or remove that folder")
 
 
 def run_point(point: dict, files: list, cwd: str) -> dict:
@@ -203,13 +230,26 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
         tune_config=tune.TuneConfig(max_concurrent_trials=at_once),
         run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir / ".tune"), verbose=0),
     )
-    results = tuner.fit()
+    results = tuner.fit()  # Tune catches Ctrl-C itself: it stops the trials and returns
     failed = [r for r in results if r.error is not None]
     for r in failed:
         say(f"point {r.config['point']['name']} failed: {str(r.error).splitlines()[-1][:200]}")
+    done = sum((Path(p["run_dir"]) / "summary.json").is_file() for p in points)
     if failed:
         raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")
+    if done < len(points):  # stopped (Ctrl-C, SIGTERM) before every point ran
+        raise SweepInterrupted(f"sweep interrupted: {done} of {len(points)} points done; rerun the same command "
+                               "to finish (finished points are kept, unfinished ones resume from their checkpoint)")
     return sweep_dir
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C or SIGTERM before every point ran."""
+
+
+# Keys every point sets itself: the sweep's flags say them.
+POINT_KEYS = {"run_name": "--name (the sweep's folder; each point's folder is named by its grid values)",
+              "resume": "rerunning the same sweep command (unfinished points resume from their checkpoints)"}
 
 
 def main(argv=None) -> int:
@@ -219,10 +259,19 @@ def main(argv=None) -> int:
     p.add_argument("--file", type=Path, help="a sweep file (YAML: name, config, fixed, grid)")
     p.add_argument("--config", action="append", default=[], metavar="FILE", help="config file(s) for every point")
     p.add_argument("--name", help="the sweep's folder name (default: from the grid keys)")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/sweeps"))
+    p.add_argument("--output-dir", type=Path, default=None,
+                   help="the folder the sweep's folder goes in (default runs/sweeps; output_dir=DIR says the same)")
     args = p.parse_args(argv)
     try:
         name, files, fixed, grid = parse(args.overrides, args.file)
+        for key, use in POINT_KEYS.items():
+            if any(o.split("=", 1)[0] == key for o in fixed) or key in grid:
+                raise ConfigError(f"{key}= cannot be given to a sweep: use {use}")
+        out = [o.split("=", 1)[1] for o in fixed if o.split("=", 1)[0] == "output_dir"]
+        if "output_dir" in grid or len(out) > 1 or (out and args.output_dir and Path(out[0]) != args.output_dir):
+            raise ConfigError("output_dir: give the sweep one output folder (output_dir=DIR or --output-dir DIR)")
+        fixed = [o for o in fixed if o.split("=", 1)[0] != "output_dir"]
+        args.output_dir = args.output_dir or Path(out[0].strip('"') if out else "runs/sweeps")
         name = args.name or name or "-".join(k.split(".")[-1] for k in grid)
         if "/" in name or name in ("", ".", ".."):
             raise ConfigError(f"--name {name!r} must be a plain folder name")
@@ -230,6 +279,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SweepInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before Tune took over (planning, starting Ray)
+        print("sweep interrupted before its first point ran; rerun the same command", file=sys.stderr)
+        return 130
     print(f"results: {sweep_dir}  (python -m raysim.table {sweep_dir})")
     return 0
 

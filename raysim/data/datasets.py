@@ -47,6 +47,13 @@ class FederatedData:
     norm: Optional[tuple] = None  # per-channel (mean, std) the images are standardised with
     pixel_max: Optional[float] = None  # images: x_* hold uint8 pixels in [0, pixel_max]
 
+    def __post_init__(self) -> None:  # every loader's files, a plugin's arrays: samples and labels pair up
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if len(x) != len(y):
+                raise ConfigError(f"dataset {self.name!r}: its {split} files hold {len(x):,} samples but {len(y):,} "
+                                  "labels; they must come from the same copy of the dataset: fetch it again")
+
     @property
     def input_shape(self) -> tuple:
         return tuple(self.x_train.shape[1:])
@@ -144,6 +151,15 @@ def _gunzip_if_needed(name: str, raw: Path) -> None:
             _check_idx(name, out, out)
 
 
+def check_paired(name: str, x_file, n_x: int, y_file, n_y: int) -> None:
+    """Samples and their labels read from two files must be as many: a label file cut short
+    (or an image file from another copy) would otherwise pair images with wrong labels or
+    train on the shorter one without a word."""
+    if n_x != n_y:
+        raise ConfigError(f"dataset {name!r}: {x_file} holds {n_x:,} samples but {y_file} holds {n_y:,} labels; "
+                          "they must be the same split of the same copy: fetch both again")
+
+
 def _check_idx(name: str, path: Path, shown: Path) -> None:
     """An IDX file holds a 4-byte magic (0, 0, type, ndim), ndim big-endian sizes and then
     exactly prod(sizes) items; anything else is a corrupt or truncated file."""
@@ -174,6 +190,8 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
     if raw.is_dir():
         _gunzip_if_needed(name, raw)
     train, test = _torchvision_load(name, cls, root, cfg.download, {"train": True}, {"train": False}, raw, _IDX_FILES)
+    for ds, (images, labels) in ((train, _IDX_FILES[:2]), (test, _IDX_FILES[2:])):
+        check_paired(name, raw / images, len(ds.data), raw / labels, len(ds.targets))
     return FederatedData(
         name,
         _pixels(train.data.numpy()),

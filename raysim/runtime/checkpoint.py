@@ -9,6 +9,7 @@ writing keeps its previous checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 from pathlib import Path
@@ -16,14 +17,28 @@ from pathlib import Path
 import torch
 
 from raysim.config import ConfigError, check_resumable
+from raysim.errors import WriteFailed
 
 FILE = "checkpoint.pt"
 
 
-def save(run_dir: Path, state: dict) -> None:
-    tmp = Path(run_dir) / (FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, Path(run_dir) / FILE)
+def save(run_dir: Path, state: dict, last_good: int | None = None) -> None:
+    """Write `state` as the run's checkpoint, atomically: through a temporary file, renamed
+    when whole. A write that fails (a full disk) removes the temporary file, keeps the last
+    good checkpoint (round `last_good`) and raises `WriteFailed` saying so."""
+    tmp, path = Path(run_dir) / (FILE + ".tmp"), Path(run_dir) / FILE
+    try:
+        with open(tmp, "wb") as f:  # a Python file: a full disk is an OSError (ENOSPC), not torch's "unexpected pos"
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        why = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        kept = (f"the last good checkpoint is round {last_good} (resume=... continues from it)" if last_good
+                else "no checkpoint was written before")
+        raise WriteFailed(f"{why} writing {path}; {kept}") from None
 
 
 def load_checked(cfg) -> dict:

@@ -10,7 +10,8 @@ from ray.util.metrics import Counter, Gauge
 
 class RayMetrics:
     def __init__(self, run: str):
-        self.tags = {"run": run}
+        # Ray's metric tags must be ASCII; a run name need not be (run_name=é): escape it here
+        self.tags = {"run": run.encode("ascii", "backslashreplace").decode("ascii")}
         keys = ("run",)
         self.rounds = Counter("raysim_rounds_done", "Rounds completed", tag_keys=keys)
         self.updates = Counter("raysim_client_updates", "Client updates received", tag_keys=keys)

@@ -134,6 +134,7 @@ class FederatedServer:
         self._killed_in: Optional[int] = None  # the last round faults.kill_* struck
         self.client_updates = 0
         self.first_round_seconds: Optional[float] = None
+        self.last_checkpoint: Optional[int] = ckpt["round"] if ckpt else None  # the round a resume would start after
         # the clients there in the first round this process runs (a resumed run: after its checkpoint)
         self.selection.available = self.availability.available(ckpt["round"] + 1 if ckpt else 1)
         self.selection.setup(self)
@@ -410,7 +411,8 @@ class FederatedServer:
             "client_updates": self.client_updates,
             "elapsed": time.time() - self.t_start,
             "first_round_seconds": self.first_round_seconds,
-        })
+        }, last_good=self.last_checkpoint)
+        self.last_checkpoint = rnd
         self.writer.log(f"checkpoint after round {rnd} ({len(cids)} client states, {time.time() - t0:.2f} s)")
 
     def _restore(self, ckpt: dict) -> None:
