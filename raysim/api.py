@@ -61,24 +61,32 @@ class RunResult:
 
 def as_overrides(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, **keys: Any) -> list[str]:
     """`{"fedprox.mu": 0.01}`, `["fedprox.mu=0.01"]` and `rounds=20` keywords as key=value strings."""
+    from raysim.config import ConfigError
+
     items: list[str] = []
     if isinstance(overrides, Mapping):
         keys = {**dict(overrides), **keys}
+    elif isinstance(overrides, str):
+        items = [overrides]
     elif overrides is not None:
-        items = [str(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
+        if not isinstance(overrides, Iterable):
+            raise ConfigError(f"overrides must be a mapping {{key: value}} or a list of 'key=value' strings, got "
+                              f"{type(overrides).__name__}")
+        items = [str(o) for o in overrides]
     # JSON is YAML: strings stay strings, lists and None keep their meaning on the way back
     return items + [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
-def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *, config: Iterable[str] = (),
+def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *, config: Union[str, Path, Iterable[str]] = (),
              progress: bool = True, **keys: Any) -> RunResult:
     """Run one experiment: `configs/default.yaml` < config groups < `config` files <
     `overrides` and keyword keys (dotted keys through `overrides`), exactly as
     `python -m raysim.run`. `progress` prints the start-up lines and a progress bar."""
     t_start = time.time()
     say = say_on_stderr(t_start) if progress else quiet
+    config = [config] if isinstance(config, (str, Path)) else list(config)  # one file, or several
     try:
-        layers, cfg = check(list(config), as_overrides(overrides, **keys), say)
+        layers, cfg = check([str(c) for c in config], as_overrides(overrides, **keys), say)
     except NothingToDo as e:  # resume= of a finished run: its results, nothing rerun
         say(str(e))
         return RunResult.read(e.run_dir)

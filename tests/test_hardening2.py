@@ -291,3 +291,12 @@ def test_ctrl_c_during_a_sweep_is_exit_130_with_the_points_done(tmp_path):
         pytest.skip("every point finished before the signal arrived")
     assert p.returncode == 130, err[-2000:]
     assert f"sweep interrupted: {done} of 3 points done; rerun the same command to finish" in err
+
+
+def test_the_python_api_takes_one_config_file_as_a_string_and_refuses_odd_overrides(tmp_path):
+    import raysim
+
+    with pytest.raises(ConfigError, match="config file 'nope.yaml' not found"):  # not the files 'n', 'o', ...
+        raysim.simulate(config="nope.yaml", progress=False)
+    with pytest.raises(ConfigError, match="overrides must be a mapping"):
+        raysim.simulate(overrides=5, progress=False)
