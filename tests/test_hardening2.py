@@ -89,6 +89,16 @@ def test_an_address_nothing_answers_is_one_line_without_ray_warnings(tmp_path):
     assert time.time() - t0 < 20 and "rpc_client" not in r.stderr and "gcs_client" not in r.stderr
 
 
+def test_an_unroutable_address_is_one_line_within_the_check(tmp_path):
+    """10.255.255.1 routes nowhere (or, behind a proxy, to something that is not Ray): either
+    way one line within the 5 s check, no Ray C++ warnings."""
+    t0 = time.time()
+    r = cli([*SMALL, "ray.address=10.255.255.1:6379"], tmp_path, timeout=60)
+    line = one_error_line(r)
+    assert r.returncode == 2 and "ray.address='10.255.255.1:6379'" in line, line
+    assert time.time() - t0 < 20 and "rpc_client" not in r.stderr and "gcs_client" not in r.stderr
+
+
 def test_ctrl_c_inside_ray_init_ends_the_command_at_once(tmp_path):
     """SIGINT while the command is starting its local Ray (inside ray.init, whose C++ code
     runs no Python signal handler): exit 130 within seconds, one line, nothing written,
