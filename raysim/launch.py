@@ -141,9 +141,11 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
     return first, OmegaConf.create(cfg)
 
 
-def start_ray(ray_cfg, say: Say = quiet) -> bool:
+def start_ray(ray_cfg, say: Say = quiet, command: bool = False) -> bool:
     """Connect to `ray.address`, or start a local Ray (and `raysim.reaper`, which stops it if
-    this process is killed outright). Returns True if we started it."""
+    this process is killed outright). Returns True if we started it. `command`: the caller
+    is a command-line process, which Ctrl-C may end inside `ray.init` (`interruptible`);
+    not so for `raysim.simulate`, whose process may be a notebook's kernel."""
     if "ray" in sys.modules:
         import ray
 
@@ -155,7 +157,7 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
 
         check_reachable(ray_cfg.address)
         try:
-            with interruptible("while joining the Ray cluster"):
+            with interruptible("while joining the Ray cluster") if command else contextlib.nullcontext():
                 ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {first_line(e)}") from None
@@ -166,7 +168,7 @@ def start_ray(ray_cfg, say: Say = quiet) -> bool:
 
         try:
             store = ray_cfg.get("object_store_gb")
-            with interruptible("while starting the local Ray"):
+            with interruptible("while starting the local Ray") if command else contextlib.nullcontext():
                     ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
                                object_store_memory=int(store * 2**30) if store else None,
                                logging_level=logging.ERROR, log_to_driver=False)

@@ -122,7 +122,7 @@ def _main(args, say, t_start: float) -> int:
         if args.print_config or args.show_partition:
             return _local(args, say)
         layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
-        started = start_ray(cfg.ray, say)
+        started = start_ray(cfg.ray, say, command=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

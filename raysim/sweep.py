@@ -221,7 +221,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     sweep_dir.mkdir(parents=True, exist_ok=True)
     from raysim.config import load_config
 
-    start_ray(load_config(files, fixed).ray)
+    start_ray(load_config(files, fixed).ray, command=True)
     at_once = concurrency(todo)
     say(f"running {len(todo)} point(s) on Ray Tune, {at_once} at a time")
     tuner = tune.Tuner(
