@@ -77,6 +77,18 @@ def as_overrides(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None
     return items + [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
+def config_files(config: Any) -> list[str]:
+    """`config=`: one file (a str or Path) or several (a list of them), as a list of paths."""
+    from raysim.config import ConfigError
+
+    if isinstance(config, (str, Path)):
+        return [str(config)]
+    files = list(config) if isinstance(config, Iterable) and not isinstance(config, Mapping) else None
+    if files is not None and all(isinstance(c, (str, Path)) for c in files):
+        return [str(c) for c in files]
+    raise ConfigError(f"config= takes a config file's path (str or Path) or a list of them, got {config!r:.80}")
+
+
 def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *, config: Union[str, Path, Iterable[str]] = (),
              progress: bool = True, **keys: Any) -> RunResult:
     """Run one experiment: `configs/default.yaml` < config groups < `config` files <
@@ -84,9 +96,9 @@ def simulate(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, *,
     `python -m raysim.run`. `progress` prints the start-up lines and a progress bar."""
     t_start = time.time()
     say = say_on_stderr(t_start) if progress else quiet
-    config = [config] if isinstance(config, (str, Path)) else list(config)  # one file, or several
     try:
-        layers, cfg = check([str(c) for c in config], as_overrides(overrides, **keys), say)
+        config = config_files(config)
+        layers, cfg = check(config, as_overrides(overrides, **keys), say)
     except NothingToDo as e:  # resume= of a finished run: its results, nothing rerun
         say(str(e))
         return RunResult.read(e.run_dir)

@@ -392,7 +392,7 @@ def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
 
 
 Layers = list  # [(source name, plain dict)], lowest priority first
-OVERRIDES = "the command-line overrides"  # the source name of the key=value layer
+OVERRIDES = "the overrides (key=value on the command line, keywords of raysim.simulate)"  # the key=value layer's source name
 
 
 def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:

@@ -310,3 +310,8 @@ def test_the_python_api_takes_one_config_file_as_a_string_and_refuses_odd_overri
         raysim.simulate(config="nope.yaml", progress=False)
     with pytest.raises(ConfigError, match="overrides must be a mapping"):
         raysim.simulate(overrides=5, progress=False)
+    for bad in (123, [Path("a.yaml"), 7], {"a.yaml": 1}):  # a config= that names no files is one ConfigError
+        with pytest.raises(ConfigError, match="config= takes a config file's path"):
+            raysim.simulate(config=bad, progress=False)
+    with pytest.raises(ConfigError, match=r"'rounds' in the overrides \(key=value on the command line, keywords"):
+        raysim.simulate(rounds="x", progress=False)  # an API caller is not told of a command line alone
