@@ -70,8 +70,17 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
                               f"fixed, grid")
+        spec = spec or {}
         name = spec.get("name")
-        files = list(spec.get("config") or [])
+        files = spec.get("config") or []
+        files = [files] if isinstance(files, str) else files
+        for key, ok, form in (("name", name is None or isinstance(name, str), "a folder name"),
+                              ("config", isinstance(files, list) and all(isinstance(f, str) for f in files),
+                               "a config file or a list of them"),
+                              ("fixed", isinstance(spec.get("fixed") or {}, dict), "a mapping {key: value}"),
+                              ("grid", isinstance(spec.get("grid") or {}, dict), "a mapping {key: [values]}")):
+            if not ok:
+                raise ConfigError(f"sweep file {file}: {key} must be {form}, got {spec[key]!r:.80}")
         fixed = _dotted(spec.get("fixed") or {})
         for k, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:

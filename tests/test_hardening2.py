@@ -285,6 +285,23 @@ def test_a_sweep_never_reports_another_configs_results(tmp_path):
     assert sweep([*SWEEP, "run_name=x", "--output-dir", str(tmp_path)]) == 2
 
 
+@pytest.mark.parametrize("text, says", [
+    ("grid: [1, 2]\n", "grid must be a mapping {key: [values]}, got [1, 2]"),
+    ("name: [1]\ngrid: {seed: [0, 1]}\n", "name must be a folder name"),
+    ("fixed: [rounds=1]\ngrid: {seed: [0, 1]}\n", "fixed must be a mapping {key: value}"),
+    ("config: 7\ngrid: {seed: [0, 1]}\n", "config must be a config file or a list of them"),
+    ("config: nope.yaml\ngrid: {seed: [0, 1]}\n", "config file 'nope.yaml' not found"),  # one file, not 'n', 'o', ...
+])
+def test_a_sweep_file_of_the_wrong_shape_is_one_line(tmp_path, text, says, capsys):
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s.yaml").write_text(text)
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.glob("*/")), "nothing is written"
+
+
 def test_ctrl_c_during_a_sweep_is_exit_130_with_the_points_done(tmp_path):
     args = [sys.executable, "-m", "raysim.sweep", "seed=0,1,2", *SWEEP[1:], "--output-dir", str(tmp_path),
             "--name", "s"]
