@@ -169,7 +169,7 @@ def start_ray(ray_cfg, say: Say = quiet, command: bool = False) -> bool:
         try:
             store = ray_cfg.get("object_store_gb")
             with interruptible("while starting the local Ray") if command else contextlib.nullcontext():
-                    ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
+                ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
                                object_store_memory=int(store * 2**30) if store else None,
                                logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
