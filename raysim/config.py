@@ -504,7 +504,7 @@ def record_diff(record: dict, cfg: DictConfig) -> list[str]:
     the record lacks at its default value (added to raysim since) is no difference."""
     now = run_record(cfg)
     missing = object()
-    added = run_record(OmegaConf.structured(Config))
+    added = run_record(schema())  # the core keys and every plugin section's, at their defaults
     return [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)
             and not (k not in record and k in added and now.get(k) == added[k])]
 
@@ -514,7 +514,8 @@ def describe_diff(diff: list[str], record: dict, cfg: DictConfig) -> str:
     now = run_record(cfg)
     k = diff[0]
     more = f" and {len(diff) - 1} more ({', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" if len(diff) > 1 else ""
-    return f"{k} was {record.get(k)!r}, is {now.get(k)!r}{more}"
+    was = repr(record[k]) if k in record else "not in the checkpoint (an option added to raysim since)"
+    return f"{k} was {was}, is {now.get(k)!r}{more}"
 
 
 def check_resumable(record: Optional[dict], cfg: DictConfig, where: str) -> None:

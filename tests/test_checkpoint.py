@@ -11,6 +11,7 @@ import psutil
 import pyarrow.parquet as pq
 import torch
 
+from raysim.config import load_config
 from raysim.run import main
 
 RUN = ["dataset=digits", "model=mlp", "num_clients=12", "participation=0.5", "rounds=8", "checkpoint_every=2",
@@ -121,3 +122,18 @@ def test_stateful_algorithm_with_fedentopt_and_stragglers_resumes_exactly(ray_lo
         assert all(torch.equal(a[part][k], b[part][k]) for k in b[part]), part
     ma, mb = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("part", "whole"))
     assert [r["selected"] for r in ma] == [r["selected"] for r in mb]
+
+
+def test_a_checkpoint_from_before_a_plugin_option_was_added_still_resumes():
+    """Upgrading raysim adds options (fed2.absent came after runs were checkpointed): a key
+    the checkpoint's record lacks is no difference while it sits at its default, in the
+    core config or in any plugin section; set to something else it is one."""
+    from raysim.config import record_diff, run_record
+
+    cfg = load_config(overrides=["algorithm=fedgroup"])
+    record = {k: v for k, v in run_record(cfg).items() if k not in ("fed2.absent", "fedgroup.alpha", "eval_every")}
+    assert record_diff(record, cfg) == []
+    cfg = load_config(overrides=["algorithm=fed2", "fed2.absent=freeze", "local.lr=0.05"])
+    record = {k: v for k, v in run_record(cfg).items() if k != "fed2.absent"}
+    record["local.lr"] = 0.01
+    assert record_diff(record, cfg) == ["fed2.absent", "local.lr"]
