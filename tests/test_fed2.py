@@ -155,6 +155,38 @@ def test_structure_pairing_averages_every_group_over_every_client_by_samples():
     assert metrics["groups_held"] == 2
 
 
+def test_absent_freeze_leaves_the_feature_groups_of_classes_the_client_lacks_as_received():
+    """fed2.absent=freeze: a client holding classes 0-3 (groups 0 and 1 of 5) trains the shared
+    layers, groups 0-1 and every classifier head; the feature rows of groups 2-4 come back
+    exactly as sent (weight decay on, so a zeroed gradient alone would not keep them)."""
+    from raysim.algorithm import Client
+
+    algo, before = fed2_after_setup("fed2.absent=freeze", "fed2.norm=batch", "local.weight_decay=0.01",
+                                    "local.batch_size=8")
+    model = algo.build_model((1, 8, 8))
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 1, 8, 8), torch.arange(32) % 4
+    client = Client(0, 1, algo.cfg, x, y, 10, torch.device("cpu"), torch.Generator().manual_seed(0), {}, model)
+    result = algo.client_update(client, {"weights": before})
+    after, rows = result.update["weights"], model.parameter_groups(buffers=True)
+    assert result.update["group_samples"] == [16, 16, 0, 0, 0]
+    features = [k for k in rows if not k.startswith("head.")]
+    assert features and any(k.endswith("running_mean") for k in features)
+    for k in features:
+        absent = rows[k] >= 2
+        assert torch.equal(after[k][absent], before[k][absent]), k
+        assert not torch.equal(after[k][~absent], before[k][~absent]), k  # its own groups learn
+    for g in range(5):  # every class's logit still hears the client: the push-down on absent classes
+        assert not torch.equal(after[f"head.heads.{g}.weight"], before[f"head.heads.{g}.weight"])
+    assert not torch.equal(after["encoder.0.0.weight"], before["encoder.0.0.weight"])  # shared layers train
+    trained = Fed2(load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", "fed2.norm=batch",
+                                          "local.weight_decay=0.01", "local.batch_size=8"]), 10, (1, 8, 8))
+    model.load_state_dict(before)
+    client = Client(0, 1, trained.cfg, x, y, 10, torch.device("cpu"), torch.Generator().manual_seed(0), {}, model)
+    default = trained.client_update(client, {"weights": before}).update["weights"]
+    assert any(not torch.equal(default[k][rows[k] >= 2], before[k][rows[k] >= 2]) for k in features)  # train: they move
+
+
 def test_the_nx5_partition_gives_every_node_exactly_five_classes():
     from raysim.data.partition import make_partition
 

@@ -22,6 +22,10 @@ averaging.
     its value (`training.GroupWeightedMean`). A grouped layer's BatchNorm statistics go
     with their group (`fed2.buffers: paired`) or take the plain mean (`plain`);
     `fed2.classifier: all` averages the decoupled classifier over every client.
+- `fed2.absent: freeze` (ours, an ablation): a client leaves the feature groups of the
+  classes it has no sample of as it received them, so only its classifier heads hear it
+  about those classes; it measures how much of a dip comes from nodes without a class
+  reshaping that class's group (below).
 
 Why `structure` is the default, measured (issue 26; benchmarks/results-fed2-pairing.txt):
 under `holders` a group's logits never hear from the clients without its classes -- the
@@ -38,15 +42,22 @@ its training loss falls every round but one per seed (largest rise +0.003; FedAv
 rises, up to +0.007), and its rounds take 23 % less time (856 vs 1107 s per run).
 With half the nodes per round (configs/sweeps/fed2_ablation_mnist.yaml) Fed2+GN scores
 98.6 / 97.8 / 93.3 against 98.5 / 98.0 / 97.9 (holders: 89.8 on average). Seed 2's dip
-(rounds 12-16: class 1 at 1.00, 0.08, 1.00, 0.00, 1.00 in rounds 11-15) comes with the
-round's cohort: in rounds 11-15 (the rounds recorded per class) class 1 collapses in exactly
-the rounds where one of the five selected nodes holds it (rounds 12 and 14, 4 % of the
-round's samples; 2-3 holders in rounds 11, 13, 15); class 8 has one holder in rounds 11, 13
-and 15 and scores 0.81, 0.17, 0.00 there (0.99, 0.97 with two). A class's logit
-reads its own group alone, so when the round's other nodes all push it down, nothing else
-in the network holds it up. The same seed with every node each round does not dip (98.9).
-Not closed: seeds 0 and 1 also have one-holder rounds in their last five without a
-collapse (their last-5 means are 98.6 and 97.8), so a single holder is not the whole cause.
+(rounds 12-16), instrumented round by round (benchmarks/README.md "Fed2's half-participation
+dip, instrumented"): in round 12 one of the five nodes holds class 1 (181 of 4,310 samples);
+class 1 falls from 1.00 to 0.08 while its logit still ranks class-1 images first (AUC 0.989)
+-- its group's features moved (their norm on class 1: 11.0 -> 7.2, on the rest 7.8 -> 8.9;
+the classifier row and bias did not), and subtracting each class's mean logit lifts
+the round-12 model from 85.6 % to 96.2 %. Class 8, held by 2 nodes of 10 (no holder in 22 % of half cohorts),
+has a group that has wasted away by round 11 (feature norm 1.8 against 8-13 for the other
+groups; a linear probe on its 52 features separates class 8 at AUC 0.89, others >= 0.99), so
+its accuracy rides on the other logits (0.81, 0.99, 0.17 in rounds 11-13). A class's group
+is trained mostly by nodes without the class when few of the round's nodes hold it; FedAvg's
+features are trained by every node's data. No reading closes the gap on seed 2 (last 5):
+`structure` 93.3, G=5 (two classes per group) 94.5, `absent=freeze` (a node leaves the
+feature groups of classes it lacks as received) 96.1, `holders` + `classifier=all` +
+`absent=freeze` 95.4, against FedAvg+GN 97.9; `absent=freeze` over seeds 0-2: FREEZE_ROW.
+The paper's experiments keep every node in every round (FedMA's set-up), where the
+default is level with FedAvg.
 
 No public code of the authors was found; a public review of the paper (creatis-myriad,
 2022) reads the aggregation the same way: "groups of parameters dedicated to the same
@@ -65,7 +76,7 @@ from raysim.algorithms.fedavg import FedAvg
 from raysim.config import ConfigError
 from raysim.models import build_model, layered, model_option_defaults
 from raysim.registry import ALGORITHMS, MODELS
-from raysim.training import GroupWeightedMean
+from raysim.training import GroupWeightedMean, cpu_state, local_sgd
 
 STRUCTURE = ("groups", "grouped_layers", "allocation", "norm")  # the model options fed2.* sets
 
@@ -79,6 +90,7 @@ class Fed2Config:
     pairing: str = "structure"  # which clients' group g is averaged: structure (every client's) | holders (of g's classes)
     buffers: str = "paired"  # holders: grouped BatchNorm statistics with their group (paired) | by the sample mean (plain)
     classifier: str = "paired"  # holders: the decoupled classifier paired too | averaged over every client (all)
+    absent: str = "train"  # a client's feature groups of classes it has no sample of: trained (train) | left as received (freeze)
 
 
 def groupable_models() -> list[str]:
@@ -99,7 +111,7 @@ class Fed2(FedAvg):
             raise ConfigError(f"fed2.layers and fed2.groups must be >= 2, got {c.layers} and {c.groups}")
         for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS),
                              ("pairing", ("structure", "holders")), ("buffers", ("paired", "plain")),
-                             ("classifier", ("paired", "all"))):
+                             ("classifier", ("paired", "all")), ("absent", ("train", "freeze"))):
             if c[key] not in allowed:
                 raise ConfigError(f"fed2.{key} must be one of {', '.join(allowed)}, got {c[key]!r}")
         clash = [k for k in STRUCTURE if k in cfg.model_options]
@@ -138,9 +150,36 @@ class Fed2(FedAvg):
 
     # ---- client ----
     def client_update(self, client: Client, payload: dict) -> ClientResult:
-        """FedAvg's update, plus the client's samples of each group's classes."""
-        result = super().client_update(client, payload)
+        """FedAvg's update, plus the client's samples of each group's classes. With
+        `fed2.absent=freeze` the feature groups of the classes the client has no sample of
+        stay as received (their gradients zeroed, their rows restored after training): only
+        the decoupled classifier hears the client about those classes."""
         groups = client.model.class_group.to(client.y.device)
         group_samples = torch.bincount(groups[client.y], minlength=int(self.cfg.fed2.groups))
+        held = group_samples > 0
+        if self.cfg.fed2.absent == "freeze" and not bool(held.all()):
+            result = self.train_held_groups(client, payload, held.cpu())
+        else:
+            result = super().client_update(client, payload)
         result.update = {"weights": result.update, "group_samples": group_samples.tolist()}
         return result
+
+    def train_held_groups(self, client: Client, payload: dict, held: torch.Tensor) -> ClientResult:
+        model = client.model
+        model.load_state_dict(payload["weights"])
+        rows = {k: v for k, v in model.parameter_groups(buffers=True).items() if not k.startswith("head.")}
+        params = dict(model.named_parameters())
+        masks = {k: held[rows[k]].to(p.device, p.dtype).reshape(-1, *[1] * (p.dim() - 1))
+                 for k, p in params.items() if k in rows}
+
+        def keep_absent_groups():
+            for k, m in masks.items():
+                if params[k].grad is not None:
+                    params[k].grad.mul_(m)
+
+        stats = local_sgd(client, model, self.local_loss(client, payload), on_gradients=keep_absent_groups)
+        state = cpu_state(model)
+        for k, group in rows.items():  # exact: weight decay and running statistics moved them too
+            absent = ~held[group]
+            state[k][absent] = payload["weights"][k].to(state[k].device)[absent]
+        return ClientResult(client.cid, client.num_samples, state, stats)
