@@ -166,6 +166,7 @@ class Fed2(FedAvg):
         return result
 
     def train_held_groups(self, client: Client, payload: dict, held: torch.Tensor) -> ClientResult:
+        """FedAvg's local SGD with the feature rows of the groups not `held` kept as received."""
         model = client.model
         model.load_state_dict(payload["weights"])
         rows = {k: v for k, v in model.parameter_groups(buffers=True).items() if not k.startswith("head.")}
