@@ -24,25 +24,15 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-import raysim.algorithms  # noqa: F401  (registration)
-from raysim.config import load_config
-from raysim.data.datasets import load_dataset
-from raysim.registry import ALGORITHMS
+from raysim.analysis import load_run_model
 
 
 def probe(run: Path, files: list[Path]) -> None:
-    cfg = load_config([str(run / "config.yaml")], [])
-    data = load_dataset(cfg)
-    shape = tuple(data.x_test.shape[1:])
-    torch.manual_seed(0)
-    model = ALGORITHMS.get(cfg.algorithm)(cfg, data.num_classes, shape).build_model(shape)
-    x, y = data.inputs(data.x_test), np.asarray(data.y_test)
-    k = data.num_classes
-    grouped = hasattr(model, "head") and hasattr(model.head, "heads") and len(model.head.heads) == k
     for f in files:
-        saved = torch.load(f, weights_only=True, map_location="cpu")
-        state = next(v for v in saved.values() if isinstance(v, dict) and set(v) == set(model.state_dict()))
-        model.load_state_dict(state)
+        _, data, model = load_run_model(run, [], f)
+        x, y = data.inputs(data.x_test), np.asarray(data.y_test)
+        k = data.num_classes
+        grouped = hasattr(model, "head") and hasattr(model.head, "heads") and len(model.head.heads) == k
         model.eval()
         with torch.no_grad():
             z = torch.cat([model(x[i:i + 500]) for i in range(0, len(x), 500)]).numpy()

@@ -28,6 +28,7 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -138,14 +139,16 @@ def draw(prefs: dict[str, np.ndarray], rows: list[dict], path: Path, title: str)
     plt.close(fig)
 
 
-def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, confidence: str = "logit") -> list[dict]:
+def load_run_model(run_dir: Path, overrides: list[str], model_file: Optional[Path] = None):
+    """(config, dataset, network) of a finished run: the run's network rebuilt from its
+    config.yaml, holding the weights in `model_file` (default: the run's model.pt)."""
     from raysim.config import load_config
     from raysim.data.datasets import load_dataset
     from raysim.registry import ALGORITHMS
 
     import raysim.algorithms  # noqa: F401  (registration)
 
-    cfg_file, model_file = run_dir / "config.yaml", run_dir / "model.pt"
+    cfg_file, model_file = run_dir / "config.yaml", model_file or run_dir / "model.pt"
     for f in (cfg_file, model_file):
         if not f.is_file():
             raise ConfigError(f"{f} not found: RUN_DIR must be a finished run directory (config.yaml, model.pt)")
@@ -159,6 +162,11 @@ def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, conf
     if state is None:
         raise ConfigError(f"{model_file} holds no model of the run's network ({cfg.algorithm}, {cfg.model})")
     model.load_state_dict(state)
+    return cfg, data, model
+
+
+def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, confidence: str = "logit") -> list[dict]:
+    cfg, data, model = load_run_model(run_dir, overrides)
     prefs = class_preferences(model, data.inputs(data.x_test), torch.from_numpy(data.y_test),
                               data.num_classes, per_class, confidence)
     rows = layer_table(model, prefs)
