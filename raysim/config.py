@@ -4,7 +4,7 @@ A config is `default.yaml` < the config groups of the chosen names (`dataset/<da
 `algorithm/<algorithm>.yaml`, `selection/<selection>.yaml`, as Hydra's config groups) < each
 `--config FILE` < `key=value` overrides, merged onto a typed schema so that an unknown key
 or a wrongly typed value is caught by name. The shipped YAML files are package data
-(`raysim/configs/`), so an installed raysim reads the same defaults as a clone. Plugins
+(`configs/`, installed as `raysim.configs`), so an installed raysim reads the same defaults as a clone. Plugins
 (algorithms, selections, datasets) add their own section, e.g. `fedprox.mu`, from the
 `Config` dataclass they declare; a section the run does not use may not be set on the
 command line. Every problem is raised as a `ConfigError` whose message is one line naming
@@ -13,6 +13,7 @@ the key or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from raysim import registry
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # shipped in the package (pyproject package-data)
+# the shipped configs: the top-level configs/ folder, installed as the package raysim.configs
+CONFIG_DIR = Path(str(importlib.resources.files("raysim.configs")))
 DEFAULT_YAML = CONFIG_DIR / "default.yaml"
 GROUPS = ("dataset", "algorithm", "selection")  # config groups: choosing a name applies <group>/<name>.yaml
 
@@ -261,7 +263,7 @@ def _sugar(d: dict) -> dict:
 
 def find_config(path: str) -> str:
     """A --config FILE as given, else the shipped file of that name (`configs/experiments/x.yaml`
-    or `experiments/x.yaml` finds `raysim/configs/experiments/x.yaml`), so that an installed
+    or `experiments/x.yaml` finds the package's `experiments/x.yaml`), so that an installed
     raysim runs the README's commands from any directory."""
     if Path(path).is_file():
         return path

@@ -165,7 +165,7 @@ def test_every_shipped_config_file_loads():
 
     from raysim.config import load_config
 
-    configs = Path(__file__).parent.parent / "raysim" / "configs"
+    configs = Path(__file__).parent.parent / "configs"
     files = sorted(f for f in configs.rglob("*.yaml") if f.parent.name != "sweeps")  # sweeps: test_workflow.py
     assert len(files) > 10
     for f in files:

@@ -52,7 +52,7 @@ def test_every_algorithm_and_selection_runs_with_only_its_name(ray_local, tmp_pa
         assert s.get("final_local_accuracy", s["final_accuracy"]) > 0.13, s
 
 
-EXPERIMENTS = sorted((Path(__file__).resolve().parent.parent / "raysim" / "configs" / "experiments").glob("*.yaml"))
+EXPERIMENTS = sorted((Path(__file__).resolve().parent.parent / "configs" / "experiments").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
@@ -103,7 +103,8 @@ def test_an_installed_wheel_carries_the_configs_and_finds_them_from_any_director
     wheel = next((tmp_path / "dist").glob("raysim-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for f in ("raysim/configs/default.yaml", "raysim/configs/dataset/cifar10.yaml",
-              "raysim/configs/algorithm/fedconcat.yaml", "raysim/configs/experiments/niid_bench_mnist_c2.yaml"):
+              "raysim/configs/algorithm/fedconcat.yaml", "raysim/configs/experiments/niid_bench_mnist_c2.yaml",
+              "raysim/algorithms/fedavg.py", "raysim/algorithms/fed2.py"):  # the top-level folders, mapped
         assert f in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
@@ -115,9 +116,46 @@ def test_an_installed_wheel_carries_the_configs_and_finds_them_from_any_director
     where = subprocess.run([sys.executable, "-c", "import raysim.config as c; print(c.CONFIG_DIR)"], env=env,
                            cwd=elsewhere, capture_output=True, text=True, check=True).stdout.strip()
     assert where == str(site / "raysim" / "configs")  # the installed copy, not the clone
+    where = subprocess.run([sys.executable, "-c", "import raysim.algorithms.fedavg as a; print(a.__file__)"], env=env,
+                           cwd=elsewhere, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(site / "raysim" / "algorithms" / "fedavg.py")
     assert "  epochs: 10\n" in r.stdout and "\nmodel: cnn\n" in r.stdout
     r = cli(["--print-config"], elsewhere, env=env)
     assert "  epochs: 2\n" in r.stdout and "  batch_size: 32\n" in r.stdout  # default.yaml's, not the dataclass's
+
+
+def test_the_top_level_algorithms_and_configs_folders_are_the_packages_from_any_directory(tmp_path):
+    """The clone's `algorithms/` and `configs/` are `raysim.algorithms` and `raysim.configs`
+    (pyproject's package-dir mapping, editable install), from any directory, and a folder
+    there named `algorithms` is not them."""
+    (tmp_path / "algorithms").mkdir()
+    (tmp_path / "algorithms" / "__init__.py").write_text("raise SystemExit('the user folder was imported')\n")
+    code = ("import raysim.algorithms as a, raysim.config as c; from raysim import registry; "
+            "print(a.__file__); print(c.CONFIG_DIR); print(len(registry.ALGORITHMS.names()))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    algorithms, configs, n = r.stdout.split()
+    assert Path(algorithms) == REPO / "algorithms" / "__init__.py" and Path(configs) == REPO / "configs"
+    assert int(n) >= 19
+    r = cli(["--print-config", "--config", "configs/experiments/niid_bench_mnist_c2.yaml"], tmp_path)
+    assert r.returncode == 0 and "  epochs: 10\n" in r.stdout, r.stderr
+
+
+def test_an_edited_algorithm_file_changes_the_code_stamp_that_keeps_workers_warm():
+    """Warm workers are reused only while `code_stamp` is unchanged: it covers the mapped
+    algorithms folder as well as the raysim package."""
+    from raysim.runtime.pool import code_stamp
+
+    f = REPO / "algorithms" / "uniform.py"
+    before = code_stamp([])
+    assert str(f) in {path for path, _, _ in before}
+    st = f.stat()
+    try:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert code_stamp([]) != before
+    finally:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert code_stamp([]) == before
 
 
 # ---------------------------------------------------------------- faults, banner (1, 5)

@@ -172,7 +172,7 @@ def test_every_shipped_sweep_file_plans_points_that_pass_the_checks(tmp_path):
 
     from raysim.sweep import parse, plan
 
-    files = sorted((Path(__file__).resolve().parent.parent / "raysim" / "configs" / "sweeps").glob("*.yaml"))
+    files = sorted((Path(__file__).resolve().parent.parent / "configs" / "sweeps").glob("*.yaml"))
     assert files
     for f in files:
         name, configs, fixed, grid = parse([], f)
@@ -235,7 +235,7 @@ def test_a_command_line_value_cuts_an_axis_of_the_sweep_file(tmp_path):
 
     from raysim.sweep import parse, plan
 
-    f = Path(__file__).resolve().parent.parent / "raysim" / "configs" / "sweeps" / "selection_digits.yaml"
+    f = Path(__file__).resolve().parent.parent / "configs" / "sweeps" / "selection_digits.yaml"
     name, configs, fixed, grid = parse(["seed=0", "rounds=5"], f)
     assert grid["seed"] == ["0"] and "rounds=5" in fixed
     points = plan(configs, fixed, grid, tmp_path / name)

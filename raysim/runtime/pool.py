@@ -31,8 +31,10 @@ _warm: dict = {}
 
 
 def code_stamp(plugins) -> tuple:
-    """(path, mtime, size) of raysim's Python files and of the plugin modules' files."""
-    roots = [Path(__file__).resolve().parents[1]]
+    """(path, mtime, size) of raysim's Python files (the package and the algorithms folder
+    installed as raysim.algorithms) and of the plugin modules' files."""
+    algorithms = importlib.util.find_spec("raysim.algorithms").submodule_search_locations
+    roots = [Path(__file__).resolve().parents[1], *(Path(p).resolve() for p in algorithms)]
     for name in sorted(plugins or ()):
         try:
             spec = importlib.util.find_spec(str(name))
