@@ -29,18 +29,18 @@ import torch
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.creff import Retrained
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, seed_for, train_linear
 
 
 @dataclass
-class CCVRConfig:
-    calibrate_every: int = 1  # rounds between calibrations; 0: only after the last round (the paper)
-    virtual_per_class: int = 100  # virtual features drawn per class
-    retrain_steps: int = 300
-    retrain_lr: float = 0.1
-    retrain_batch: int = 32
+class CCVROptions(Options):
+    calibrate_every: int = option(1, at_least=0)  # rounds between calibrations; 0: only after the last round (the paper)
+    virtual_per_class: int = option(100, at_least=1)  # virtual features drawn per class
+    retrain_steps: int = option(300, at_least=0)
+    retrain_lr: float = option(0.1, above=0)
+    retrain_batch: int = option(32, at_least=1)
 
 
 def pooled_gaussians(stats: list[dict], dim: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -64,16 +64,7 @@ def pooled_gaussians(stats: list[dict], dim: int) -> dict[int, tuple[np.ndarray,
 
 @ALGORITHMS.register("ccvr")
 class CCVR(FedAvg):
-    Config = CCVRConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        o = cfg.ccvr
-        if o.calibrate_every < 0 or o.virtual_per_class < 1 or o.retrain_steps < 0 or o.retrain_batch < 1:
-            raise ConfigError("ccvr.calibrate_every and ccvr.retrain_steps must be >= 0, ccvr.virtual_per_class and "
-                              "ccvr.retrain_batch >= 1")
-        if o.retrain_lr <= 0:
-            raise ConfigError(f"ccvr.retrain_lr must be > 0, got {o.retrain_lr}")
+    Options = CCVROptions
 
     def setup(self, server: Server) -> None:
         super().setup(server)

@@ -32,13 +32,18 @@ import torch
 
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
+from raysim.options import Options, option
 from raysim.training import WeightedMean, cpu_state, parameter_names, seed_for
 
 
 @dataclass
-class GroupsConfig:
-    groups: int = 3  # m: the number of group models
+class GroupsOptions(Options):
+    groups: int = option(3, at_least=1)  # m: the number of group models
+
+    def check(self, cfg, section: str) -> None:
+        if self.groups > cfg.num_clients:
+            raise ConfigError(f"{section}.groups must be in [1, num_clients={cfg.num_clients}], got {self.groups}")
 
 
 def flat(state: dict, names) -> torch.Tensor:
@@ -49,17 +54,11 @@ def flat(state: dict, names) -> torch.Tensor:
 class GroupModels(FedAvg):
     """m group models, each trained by FedAvg over its members (module docstring)."""
 
-    Config = GroupsConfig
+    Options = GroupsOptions
 
     @property
     def opts(self):
         return self.cfg[getattr(type(self), "config_section", None) or self.cfg.algorithm]
-
-    @classmethod
-    def check_groups(cls, cfg, section: str) -> None:
-        m = cfg[section].groups
-        if not 1 <= m <= cfg.num_clients:
-            raise ConfigError(f"{section}.groups must be in [1, num_clients={cfg.num_clients}], got {m}")
 
     # ------------------------------------------------------------------ server
     def setup(self, server: Server) -> None:

@@ -63,21 +63,21 @@ from torch import nn
 
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, local_sgd, seed_for, train_linear
 
 
 @dataclass
-class CReFFConfig:
-    features_per_class: int = 100  # m
-    match_steps: int = 100  # I
-    feature_lr: float = 0.1
-    retrain_steps: int = 300  # J
-    retrain_lr: float = 0.1
-    retrain_batch: int = 32
-    retrain_start: str = "aggregated"  # aggregated | fresh (the reference)
-    match_reduction: str = "sum"  # sum (the reference) | mean (ALGORITHMS.md: moves the features C+1 times slower)
+class CReFFOptions(Options):
+    features_per_class: int = option(100, at_least=1)  # m
+    match_steps: int = option(100, at_least=0)  # I
+    feature_lr: float = option(0.1, above=0)
+    retrain_steps: int = option(300, at_least=0)  # J
+    retrain_lr: float = option(0.1, above=0)
+    retrain_batch: int = option(32, at_least=1)
+    retrain_start: str = option("aggregated", choices=("aggregated", "fresh"))  # aggregated | fresh (the reference)
+    match_reduction: str = option("sum", choices=("sum", "mean"))  # sum (the reference) | mean (ALGORITHMS.md: moves the features C+1 times slower)
 
 
 class Retrained(nn.Module):
@@ -127,19 +127,7 @@ def matching_loss(fed: tuple, real: tuple, reduction: str = "mean") -> torch.Ten
 
 @ALGORITHMS.register("creff")
 class CReFF(FedAvg):
-    Config = CReFFConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        o = cfg.creff
-        if min(o.features_per_class, o.retrain_batch) < 1 or min(o.match_steps, o.retrain_steps) < 0:
-            raise ConfigError("creff.features_per_class and creff.retrain_batch must be >= 1, "
-                              "creff.match_steps and creff.retrain_steps >= 0")
-        if o.feature_lr <= 0 or o.retrain_lr <= 0:
-            raise ConfigError("creff.feature_lr and creff.retrain_lr must be > 0")
-        for key, allowed in (("retrain_start", ("aggregated", "fresh")), ("match_reduction", ("mean", "sum"))):
-            if o[key] not in allowed:
-                raise ConfigError(f"creff.{key} must be {' or '.join(allowed)}, got {o[key]!r}")
+    Options = CReFFOptions
 
     @property
     def opts(self):

@@ -74,7 +74,8 @@ from omegaconf import OmegaConf
 
 from raysim.algorithm import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
+from raysim.options import Options, option
 from raysim.models import build_model, layered, model_option_defaults
 from raysim.registry import ALGORITHMS, MODELS
 from raysim.training import GroupWeightedMean, cpu_state, local_sgd
@@ -83,15 +84,24 @@ STRUCTURE = ("groups", "grouped_layers", "allocation", "norm")  # the model opti
 
 
 @dataclass
-class Fed2Config:
-    layers: int = 6  # L: how many of the last layers are grouped (the classifier counts)
-    groups: int = 10  # G
-    allocation: str = "blocks"  # classes to groups: blocks (C/G consecutive classes) | round_robin
-    norm: str = "group"  # the network's normalisation: group (the paper) | batch | none
-    pairing: str = "structure"  # which clients' group g is averaged: structure (every client's) | holders (of g's classes)
-    buffers: str = "paired"  # holders: grouped BatchNorm statistics with their group (paired) | by the sample mean (plain)
-    classifier: str = "paired"  # holders: the decoupled classifier paired too | averaged over every client (all)
-    absent: str = "train"  # a client's feature groups of classes it has no sample of: trained (train) | left as received (freeze)
+class Fed2Options(Options):
+    layers: int = option(6, at_least=2)  # L: how many of the last layers are grouped (the classifier counts)
+    groups: int = option(10, at_least=2)  # G
+    allocation: str = option("blocks", choices=layered.ALLOCATIONS)  # classes to groups: blocks (C/G consecutive classes) | round_robin
+    norm: str = option("group", choices=layered.NORMS)  # the network's normalisation: group (the paper) | batch | none
+    pairing: str = option("structure", choices=("structure", "holders"))  # which clients' group g is averaged: structure (every client's) | holders (of g's classes)
+    buffers: str = option("paired", choices=("paired", "plain"))  # holders: grouped BatchNorm statistics with their group (paired) | by the sample mean (plain)
+    classifier: str = option("paired", choices=("paired", "all"))  # holders: the decoupled classifier paired too | averaged over every client (all)
+    absent: str = option("train", choices=("train", "freeze"))  # a client's feature groups of classes it has no sample of: trained (train) | left as received (freeze)
+
+    def check(self, cfg, section: str) -> None:
+        if cfg.model not in groupable_models():
+            raise ConfigError(f"fed2 adapts the structure of {', '.join(groupable_models())}; model={cfg.model!r} "
+                              f"has no grouped form")
+        clash = [k for k in STRUCTURE if k in cfg.model_options]
+        if clash:
+            raise ConfigError(f"model_options.{clash[0]} is set by fed2's section under fed2 "
+                              f"(fed2.layers, fed2.groups, fed2.allocation, fed2.norm); remove it")
 
 
 def groupable_models() -> list[str]:
@@ -100,25 +110,7 @@ def groupable_models() -> list[str]:
 
 @ALGORITHMS.register("fed2")
 class Fed2(FedAvg):
-    Config = Fed2Config
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.fed2
-        if cfg.model not in groupable_models():
-            raise ConfigError(f"fed2 adapts the structure of {', '.join(groupable_models())}; model={cfg.model!r} "
-                              f"has no grouped form")
-        if not (c.layers >= 2 and c.groups >= 2):
-            raise ConfigError(f"fed2.layers and fed2.groups must be >= 2, got {c.layers} and {c.groups}")
-        for key, allowed in (("allocation", layered.ALLOCATIONS), ("norm", layered.NORMS),
-                             ("pairing", ("structure", "holders")), ("buffers", ("paired", "plain")),
-                             ("classifier", ("paired", "all")), ("absent", ("train", "freeze"))):
-            if c[key] not in allowed:
-                raise ConfigError(f"fed2.{key} must be one of {', '.join(allowed)}, got {c[key]!r}")
-        clash = [k for k in STRUCTURE if k in cfg.model_options]
-        if clash:
-            raise ConfigError(f"model_options.{clash[0]} is set by fed2's section under fed2 "
-                              f"(fed2.layers, fed2.groups, fed2.allocation, fed2.norm); remove it")
+    Options = Fed2Options
 
     def build_model(self, input_shape: tuple) -> torch.nn.Module:
         c = self.cfg.fed2

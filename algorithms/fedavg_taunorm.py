@@ -7,24 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import tau_normalised
 
 
 @dataclass
-class TauNormConfig:
-    tau: float = 1.0  # 1: unit-norm rows
+class TauNormOptions(Options):
+    tau: float = option(1.0, at_least=0)  # 1: unit-norm rows
 
 
 @ALGORITHMS.register("fedavg_taunorm")
 class FedAvgTauNorm(FedAvg):
-    Config = TauNormConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        if cfg.fedavg_taunorm.tau < 0:
-            raise ConfigError(f"fedavg_taunorm.tau must be >= 0, got {cfg.fedavg_taunorm.tau}")
+    Options = TauNormOptions
 
     def eval_models(self) -> dict:
         return {"global": tau_normalised(self.model, float(self.cfg.fedavg_taunorm.tau))}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import parameter_names
 
@@ -20,20 +20,14 @@ from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class FedAvgMConfig:
-    beta: float = 0.9  # server momentum
-    server_lr: float = 1.0
+class FedAvgMOptions(Options):
+    beta: float = option(0.9, at_least=0, below=1)  # server momentum
+    server_lr: float = option(1.0, above=0)
 
 
 @ALGORITHMS.register("fedavgm")
 class FedAvgM(FedAvg):
-    Config = FedAvgMConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.fedavgm
-        if not (0 <= c.beta < 1 and c.server_lr > 0):
-            raise ConfigError(f"fedavgm.beta must be in [0, 1) and fedavgm.server_lr > 0, got {c.beta}, {c.server_lr}")
+    Options = FedAvgMOptions
 
     def setup(self, server) -> None:
         super().setup(server)

@@ -47,21 +47,33 @@ import torch
 from torch import nn
 
 from raysim.algorithm import Algorithm, Client, ClientResult, Server
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
+from raysim.options import Options, option
 from raysim.models import EncoderHead
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, local_sgd
 
 
 @dataclass
-class FedConcatConfig:
-    clusters: int = 5  # K
-    encoder_rounds: int = 31  # stage 2; the remaining `rounds` train the classifier
-    classifier_steps: int = 3  # local SGD steps per classifier round
-    classifier_weighting: str = "uniform"  # uniform (official code) | samples
-    rebalance: Any = False  # false | constrained (official code) | farthest
-    init_classifier: Any = False  # false | sum (official code) | mean
-    probe_samples: int = 10000  # fedconcat_id: random inputs for label inference
+class FedConcatOptions(Options):
+    clusters: int = option(5, at_least=1)  # K
+    encoder_rounds: int = option(31, at_least=1)  # stage 2; the remaining `rounds` train the classifier
+    classifier_steps: int = option(3, at_least=1)  # local SGD steps per classifier round
+    classifier_weighting: str = option("uniform", choices=("uniform", "samples"))  # uniform: the official code's
+    rebalance: Any = option(False, choices=(False, "constrained", "farthest"))  # constrained: the official code's
+    init_classifier: Any = option(False, choices=(False, "sum", "mean"))  # sum: the official code's
+    probe_samples: int = option(10000, at_least=1)  # fedconcat_id: random inputs for label inference
+
+    def check(self, cfg, section: str) -> None:
+        if self.clusters > cfg.num_clients:
+            raise ConfigError(f"{section}.clusters must be in [1, num_clients={cfg.num_clients}], got {self.clusters}")
+        if self.encoder_rounds >= cfg.rounds:
+            raise ConfigError(f"{section}.encoder_rounds must be in [1, rounds={cfg.rounds}) (the rest of "
+                              f"the rounds train the classifier), got {self.encoder_rounds}")
+        if cfg.clients.join.fraction > 0:
+            raise ConfigError(f"{cfg.algorithm} clusters every client before round 1 and trains its classifier on "
+                              f"all of them, so clients cannot join late: set clients.join.fraction=0 "
+                              f"(got {cfg.clients.join.fraction})")
 
 
 class ConcatModel(nn.Module):
@@ -147,30 +159,10 @@ def inferred_distribution(model: nn.Module, probe: torch.Tensor) -> np.ndarray:
 
 @ALGORITHMS.register("fedconcat")
 class FedConcat(Algorithm):
-    Config = FedConcatConfig
+    Options = FedConcatOptions
     config_section = "fedconcat"  # fedconcat_id reads the same options
     client_state = True  # the cached features
     infer_labels = False  # FedConcat-ID: True
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.fedconcat
-        if not 1 <= c.clusters <= cfg.num_clients:
-            raise ConfigError(f"fedconcat.clusters must be in [1, num_clients={cfg.num_clients}], got {c.clusters}")
-        if not 1 <= c.encoder_rounds < cfg.rounds:
-            raise ConfigError(f"fedconcat.encoder_rounds must be in [1, rounds={cfg.rounds}) (the rest of "
-                              f"the rounds train the classifier), got {c.encoder_rounds}")
-        if cfg.clients.join.fraction > 0:
-            raise ConfigError(f"{cfg.algorithm} clusters every client before round 1 and trains its classifier on "
-                              f"all of them, so clients cannot join late: set clients.join.fraction=0 "
-                              f"(got {cfg.clients.join.fraction})")
-        if c.classifier_steps < 1 or c.probe_samples < 1:
-            raise ConfigError(f"fedconcat.classifier_steps and .probe_samples must be >= 1")
-        if c.classifier_weighting not in ("uniform", "samples"):
-            raise ConfigError(f"fedconcat.classifier_weighting must be uniform or samples, got {c.classifier_weighting!r}")
-        for key, allowed in (("rebalance", ("constrained", "farthest")), ("init_classifier", ("sum", "mean"))):
-            if c[key] is not False and c[key] not in allowed:
-                raise ConfigError(f"fedconcat.{key} must be false, {' or '.join(allowed)}, got {c[key]!r}")
 
     @property
     def opts(self):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from raysim.algorithm import Client, ClientResult, Selection
-from raysim.config import ConfigError
 from raysim.data.partition import label_entropy
+from raysim.options import Options, option
 from raysim.registry import SELECTIONS
 
 
@@ -76,22 +76,14 @@ class LabelCountSelection(Selection):
 
 
 @dataclass
-class FedEntOptConfig:
-    buffer: float = 0.3  # FIFO buffer size B as a fraction of num_clients
-    epsilon: float = 0.0  # Laplace DP on the uploaded counts; 0 = off
+class FedEntOptOptions(Options):
+    buffer: float = option(0.3, at_least=0, below=1, why="a fraction of num_clients")  # FIFO buffer size B
+    epsilon: float = option(0.0, at_least=0, why="0 = no DP noise")  # Laplace DP on the uploaded counts
 
 
 @SELECTIONS.register("fedentopt")
 class FedEntOpt(LabelCountSelection):
-    Config = FedEntOptConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.fedentopt
-        if not 0 <= c.buffer < 1:
-            raise ConfigError(f"fedentopt.buffer must be in [0, 1) (a fraction of num_clients), got {c.buffer}")
-        if c.epsilon < 0:
-            raise ConfigError(f"fedentopt.epsilon must be >= 0 (0 = no DP noise), got {c.epsilon}")
+    Options = FedEntOptOptions
 
     def __init__(self, cfg, num_clients: int, num_classes: int):
         super().__init__(cfg, num_clients, num_classes)

@@ -8,25 +8,20 @@ from dataclasses import dataclass
 
 from raysim.algorithm import Client
 from raysim.algorithms.fedavg import FedAvg
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import focal_loss, focal_per_sample
 
 
 @dataclass
-class FedFocalConfig:
-    gamma: float = 2.0  # focusing parameter (Lin et al.'s default); 0 is FedAvg
+class FedFocalOptions(Options):
+    gamma: float = option(2.0, at_least=0)  # focusing parameter (Lin et al.'s default); 0 is FedAvg
 
 
 @ALGORITHMS.register("fedfocal")
 class FedFocal(FedAvg):
-    Config = FedFocalConfig
+    Options = FedFocalOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        if cfg.fedfocal.gamma < 0:
-            raise ConfigError(f"fedfocal.gamma must be >= 0, got {cfg.fedfocal.gamma}")
 
     def local_loss(self, client: Client, payload: dict):
         return focal_loss(float(self.cfg.fedfocal.gamma))

@@ -50,25 +50,33 @@ import numpy as np
 import torch
 
 from raysim.algorithm import Client, Server
-from raysim.algorithms.clustered import GroupModels, flat
+from raysim.algorithms.clustered import GroupModels, GroupsOptions, flat
 from raysim.algorithms.fedprox import proximal_loss
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
+from raysim.options import option
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, base_loss, cpu_state
 
 
 @dataclass
-class FedGroupConfig:
-    groups: int = 3  # m
-    alpha: int = 20  # pre-training scale: alpha * m clients in the group cold start
-    measure: str = "edc"  # edc | madc
-    centres: str = "cluster"  # cluster | random (the RCC ablation)
-    cold_clients: str = "closest"  # closest | random (the RAC ablation)
-    direction: str = "initial"  # initial (the paper) | latest (the authors' code)
-    eta_g: float = 0.0  # inter-group aggregation; 0: off (the paper's experiments)
-    inter_group: str = "paper"  # paper | normalised (the authors' code)
-    mu: float = 0.01  # fedgrouprox's proximal term (fedgroup: none)
-    kmeans_iter: int = 20  # EDC's KMeans max_iter (the authors' code)
+class FedGroupOptions(GroupsOptions):
+    groups: int = option(3, at_least=1)  # m
+    alpha: int = option(20, at_least=2, why="alpha * groups clients are clustered into groups groups")  # pre-training scale: alpha * m clients in the group cold start
+    measure: str = option("edc", choices=("edc", "madc"))  # edc | madc
+    centres: str = option("cluster", choices=("cluster", "random"))  # cluster | random (the RCC ablation)
+    cold_clients: str = option("closest", choices=("closest", "random"))  # closest | random (the RAC ablation)
+    direction: str = option("initial", choices=("initial", "latest"))  # initial (the paper) | latest (the authors' code)
+    eta_g: float = option(0.0, at_least=0)  # inter-group aggregation; 0: off (the paper's experiments)
+    inter_group: str = option("paper", choices=("paper", "normalised"))  # paper | normalised (the authors' code)
+    mu: float = option(0.01, at_least=0)  # fedgrouprox's proximal term (fedgroup: none)
+    kmeans_iter: int = option(20, at_least=1)  # EDC's KMeans max_iter (the authors' code)
+
+    def check(self, cfg, section: str) -> None:
+        super().check(cfg, section)
+        there = cfg.num_clients - int(round(cfg.clients.join.fraction * cfg.num_clients))
+        if self.centres == "cluster" and there <= self.groups:
+            raise ConfigError(f"{section}.groups={self.groups} needs more than {self.groups} clients there in round 1 "
+                              f"to cluster; there are {there} (num_clients, clients.join.fraction)")
 
 
 def edc_labels(updates: np.ndarray, m: int, seed: int, max_iter: int = 20) -> np.ndarray:
@@ -112,28 +120,8 @@ def cosine_dissimilarity(directions: torch.Tensor, update: torch.Tensor) -> np.n
 
 @ALGORITHMS.register("fedgroup")
 class FedGroup(GroupModels):
-    Config = FedGroupConfig
+    Options = FedGroupOptions
     config_section = "fedgroup"  # fedgrouprox reads the same options
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        o = cfg.fedgroup
-        GroupModels.check_groups(cfg, "fedgroup")
-        choices = {"measure": ("edc", "madc"), "centres": ("cluster", "random"),
-                   "cold_clients": ("closest", "random"), "direction": ("initial", "latest"),
-                   "inter_group": ("paper", "normalised")}
-        for key, allowed in choices.items():
-            if o[key] not in allowed:
-                raise ConfigError(f"fedgroup.{key} must be {' or '.join(allowed)}, got {o[key]!r}")
-        if o.alpha < 2:
-            raise ConfigError(f"fedgroup.alpha must be >= 2 (alpha * groups clients are clustered into groups "
-                              f"groups), got {o.alpha}")
-        there = cfg.num_clients - int(round(cfg.clients.join.fraction * cfg.num_clients))
-        if o.centres == "cluster" and there <= o.groups:
-            raise ConfigError(f"fedgroup.groups={o.groups} needs more than {o.groups} clients there in round 1 to "
-                              f"cluster; there are {there} (num_clients, clients.join.fraction)")
-        if o.eta_g < 0 or o.mu < 0 or o.kmeans_iter < 1:
-            raise ConfigError("fedgroup.eta_g and fedgroup.mu must be >= 0, fedgroup.kmeans_iter >= 1")
 
     # ------------------------------------------------------------------ server
     def initial_models(self, server: Server) -> list[torch.nn.Module]:

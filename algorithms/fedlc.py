@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from raysim.algorithm import Client
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 
 from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class FedLCConfig:
-    tau: float = 1.0
+class FedLCOptions(Options):
+    tau: float = option(1.0, at_least=0)
 
 
 def calibrated_logits(logits: torch.Tensor, counts: torch.Tensor, tau: float) -> torch.Tensor:
@@ -35,13 +35,8 @@ def calibrated_logits(logits: torch.Tensor, counts: torch.Tensor, tau: float) ->
 
 @ALGORITHMS.register("fedlc")
 class FedLC(FedAvg):
-    Config = FedLCConfig
+    Options = FedLCOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        if cfg.fedlc.tau < 0:
-            raise ConfigError(f"fedlc.tau must be >= 0, got {cfg.fedlc.tau}")
 
     def local_loss(self, client: Client, payload: dict):
         counts = torch.from_numpy(client.label_counts().astype(np.float64)).to(client.device)

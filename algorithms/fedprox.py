@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from raysim.algorithm import Client
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import base_loss, cross_entropy
 
@@ -14,8 +14,8 @@ from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class FedProxConfig:
-    mu: float = 0.01
+class FedProxOptions(Options):
+    mu: float = option(0.01, at_least=0)  # weight of the proximal term
 
 
 def proximal_loss(mu: float, global_params: list[torch.Tensor], base=cross_entropy):
@@ -29,12 +29,7 @@ def proximal_loss(mu: float, global_params: list[torch.Tensor], base=cross_entro
 
 @ALGORITHMS.register("fedprox")
 class FedProx(FedAvg):
-    Config = FedProxConfig
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        if cfg.fedprox.mu < 0:
-            raise ConfigError(f"fedprox.mu must be >= 0, got {cfg.fedprox.mu}")
+    Options = FedProxOptions
 
     def local_loss(self, client: Client, payload: dict):
         names = [n for n, _ in client.model.named_parameters()]

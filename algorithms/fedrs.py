@@ -20,16 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from raysim.algorithm import Client, Server
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 
 from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class FedRSConfig:
-    alpha: float = 0.5
-    scaling: str = "soft"  # soft (authors' code) | binary (paper)
+class FedRSOptions(Options):
+    alpha: float = option(0.5, above=0, at_most=1)
+    scaling: str = option("soft", choices=("soft", "binary"))  # soft (authors' code) | binary (paper)
     bias: bool = False  # False: no classifier bias, as the authors' code
 
 
@@ -51,16 +51,8 @@ def restricted_logits(logits: torch.Tensor, present: torch.Tensor, alpha: float)
 
 @ALGORITHMS.register("fedrs")
 class FedRS(FedAvg):
-    Config = FedRSConfig
+    Options = FedRSOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.fedrs
-        if not 0 < c.alpha <= 1:
-            raise ConfigError(f"fedrs.alpha must be in (0, 1], got {c.alpha}")
-        if c.scaling not in ("soft", "binary"):
-            raise ConfigError(f"fedrs.scaling must be soft or binary, got {c.scaling!r}")
 
     def setup(self, server: Server) -> None:
         super().setup(server)

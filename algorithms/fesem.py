@@ -24,10 +24,6 @@ from raysim.training import cpu_state
 class FeSEM(ClientPicksGroup):
     client_state = True  # each client's local model
 
-    @staticmethod
-    def validate_config(cfg) -> None:
-        ClientPicksGroup.check_groups(cfg, "fesem")
-
     def extra_payload(self, cohort: list[int]) -> dict:
         """w0 for clients that have no local model yet (never trained)."""
         return {"init": cpu_state(self.w0)} if any(self.group_of[c] < 0 for c in cohort) else {}

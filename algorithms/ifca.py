@@ -19,9 +19,6 @@ from raysim.training import evaluate
 
 @ALGORITHMS.register("ifca")
 class IFCA(ClientPicksGroup):
-    @staticmethod
-    def validate_config(cfg) -> None:
-        ClientPicksGroup.check_groups(cfg, "ifca")
 
     def pick(self, client: Client, models: list[dict], payload: dict) -> int:
         losses = []

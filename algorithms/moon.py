@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysim.algorithm import Client, ClientResult
-from raysim.config import ConfigError
 from raysim.models import EncoderHead
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, local_sgd, seed_for
 
@@ -49,12 +49,12 @@ from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class MoonConfig:
-    mu: float = 1.0  # weight of the contrastive term
-    temperature: float = 0.5
-    out_dim: int = 256  # projection size
-    first_previous: str = "initial"  # a client's first round: initial (authors' code) | global
-    classifier: str = "encoder"  # what the classifier reads: encoder (mu=0 is FedAvg) | projection (authors' ModelFedCon)
+class MoonOptions(Options):
+    mu: float = option(1.0, at_least=0)  # weight of the contrastive term
+    temperature: float = option(0.5, above=0)
+    out_dim: int = option(256, at_least=1)  # projection size
+    first_previous: str = option("initial", choices=("initial", "global"))  # a client's first round: initial (authors' code) | global
+    classifier: str = option("encoder", choices=("encoder", "projection"))  # what the classifier reads: encoder (mu=0 is FedAvg) | projection (authors' ModelFedCon)
 
 
 def projection_head(feature_dim: int, out_dim: int) -> nn.Sequential:
@@ -92,20 +92,9 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
 
 @ALGORITHMS.register("moon")
 class Moon(FedAvg):
-    Config = MoonConfig
+    Options = MoonOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
     client_state = True  # the client's model after its previous round
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.moon
-        if not (c.mu >= 0 and c.temperature > 0 and c.out_dim >= 1):
-            raise ConfigError(f"moon.mu must be >= 0, moon.temperature > 0 and moon.out_dim >= 1, "
-                              f"got {c.mu}, {c.temperature}, {c.out_dim}")
-        if c.first_previous not in ("initial", "global"):
-            raise ConfigError(f"moon.first_previous must be initial or global, got {c.first_previous!r}")
-        if c.classifier not in ("encoder", "projection"):
-            raise ConfigError(f"moon.classifier must be encoder or projection, got {c.classifier!r}")
 
     def build_model(self, input_shape: tuple) -> EncoderHead:
         """The configured model with MOON's projection head (initialised after the base, so

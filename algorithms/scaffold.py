@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from raysim.algorithm import Client, ClientResult, Server
-from raysim.config import ConfigError
+from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, base_sample_loss, cpu_state, effective_steps, local_sgd, round_lr
 
@@ -38,10 +38,10 @@ from raysim.algorithms.fedavg import FedAvg
 
 
 @dataclass
-class ScaffoldConfig:
-    server_lr: float = 1.0  # global step size on the averaged dy
-    weighting: str = "uniform"  # mean of dy over the returned clients: uniform (the paper) | samples (NIID-Bench)
-    correction: str = "gradient"  # gradient: g - c_i + c through the optimizer, K counted as effective steps;
+class ScaffoldOptions(Options):
+    server_lr: float = option(1.0, above=0)  # global step size on the averaged dy
+    weighting: str = option("uniform", choices=("uniform", "samples"))  # mean of dy over the returned clients: uniform (the paper) | samples (NIID-Bench)
+    correction: str = option("gradient", choices=("gradient", "weights"))  # gradient: g - c_i + c through the optimizer, K counted as effective steps;
     # weights: NIID-Bench's code, w -= lr (c - c_i) after each optimizer step, K = raw step count
 
 
@@ -52,18 +52,8 @@ def control_variate_update(c_i: dict, c: dict, x: dict, y: dict, steps: float, l
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(FedAvg):
-    Config = ScaffoldConfig
+    Options = ScaffoldOptions
     client_state = True  # c_i
-
-    @staticmethod
-    def validate_config(cfg) -> None:
-        c = cfg.scaffold
-        if not c.server_lr > 0:
-            raise ConfigError(f"scaffold.server_lr must be > 0, got {c.server_lr}")
-        if c.weighting not in ("uniform", "samples"):
-            raise ConfigError(f"scaffold.weighting must be uniform or samples, got {c.weighting!r}")
-        if c.correction not in ("gradient", "weights"):
-            raise ConfigError(f"scaffold.correction must be gradient or weights, got {c.correction!r}")
 
     # ---- server ----
     def setup(self, server: Server) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 
 def neuron_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -61,7 +61,7 @@ class RunResult:
 
 def as_overrides(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None, **keys: Any) -> list[str]:
     """`{"fedprox.mu": 0.01}`, `["fedprox.mu=0.01"]` and `rounds=20` keywords as key=value strings."""
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     items: list[str] = []
     if isinstance(overrides, Mapping):
@@ -79,7 +79,7 @@ def as_overrides(overrides: Union[None, Mapping[str, Any], Iterable[str]] = None
 
 def config_files(config: Any) -> list[str]:
     """`config=`: one file (a str or Path) or several (a list of them), as a list of paths."""
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     if isinstance(config, (str, Path)):
         return [str(config)]

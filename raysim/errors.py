@@ -1,10 +1,14 @@
 """Errors that end a run with one line on the command line (no traceback).
 
-`ConfigError` (in raysim.config) is bad input, found before anything is written (exit 2);
+`ConfigError` is bad input, found before anything is written (exit 2);
 `RunDiverged` is a run whose loss or model turned non-finite (exit 3): the rounds before
 it are kept in the run directory, with a summary that says where it stopped; `WriteFailed`
 is a run directory that could not be written (a full disk): exit 1, the last good
 checkpoint named."""
+
+
+class ConfigError(Exception):
+    """A user-facing configuration or input problem; its message is one line."""
 
 
 class RunDiverged(Exception):

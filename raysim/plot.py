@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.results.runs import differing_keys, find_runs, label
 
 X_AXES = {"round": "round", "bytes": "MiB communicated (down + up)", "seconds": "wall seconds"}

@@ -75,7 +75,7 @@ def import_modules(names) -> None:
     """Import user plugin modules (config key `plugins`), which register themselves. Any
     error while importing one (not found, a SyntaxError, an exception its code raises) is
     one `ConfigError` line naming the module and its own file and line."""
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     for name in names:
         try:

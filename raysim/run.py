@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
 from raysim.launch import DriverDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
 
@@ -43,10 +43,10 @@ def list_plugins(overrides: list[str]) -> str:
     """The registered parts by kind; with `plugins=[...]` among the overrides, those modules
     are imported first and their parts marked with the module that registered them."""
     from raysim import registry
-    from raysim.config import _parse_overrides, _names
+    from raysim.config import parse_overrides, plugin_names
 
     registry.load_plugins()
-    registry.import_modules(_names(_parse_overrides(overrides).get("plugins")))
+    registry.import_modules(plugin_names(parse_overrides(overrides).get("plugins")))
     lines = []
     for reg in (registry.DATASETS, registry.PARTITIONS, registry.MODELS, registry.ALGORITHMS, registry.SELECTIONS):
         names = []

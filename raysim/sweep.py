@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 
 def split_values(text: str) -> list[str]:
@@ -160,14 +160,14 @@ def check_same_point(run_dir: Path, cfg, name: str, state: str) -> None:
     with the point's config on every key that decides the result, `rounds` included.
     Otherwise the sweep is refused: reporting another config's results as this one's is
     the one thing a sweep must never do."""
-    from raysim.config import _read_yaml, record_diff, run_record
+    from raysim.config import read_yaml, record_diff, run_record
 
     saved = run_dir / "config.yaml"
     if not saved.is_file():  # a folder with no config: a point that stopped before it wrote anything
         return
     from omegaconf import OmegaConf
 
-    data = _read_yaml(str(saved))
+    data = read_yaml(str(saved))
     record = run_record(OmegaConf.create(data))
     diff = record_diff(record, cfg) + (["rounds"] if data.get("rounds") != cfg.rounds else [])
     if diff:

@@ -23,7 +23,7 @@ import io
 import sys
 from pathlib import Path
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.results.runs import METRICS_HELP, check_keys, differing_keys, find_runs, mean_std, parse_metric
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.run import main
 
 SMALL = ["dataset=digits", "model=mclr", "num_clients=4", "local.batch_size=32", "--quiet"]

@@ -14,7 +14,7 @@ import pytest
 
 import raysim
 from raysim import registry
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.run import main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -222,7 +222,7 @@ def test_equal_communication_and_several_metrics_in_one_table(four_runs, capsys)
 
 
 def test_two_grid_points_with_one_folder_name_are_refused(tmp_path):
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
     from raysim.sweep import plan
 
     same = ["algorithm=fedavg", "model=mclr"]

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 from omegaconf import DictConfig
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
+from raysim.options import Options, option
 from raysim.registry import DATASETS
 
 if TYPE_CHECKING:  # torch is imported where images are decoded, not by every loader's caller
@@ -278,7 +279,7 @@ class CIFAR10:
 
 
 @dataclass
-class CIFAR100Config:
+class CIFAR100Options(Options):
     coarse: bool = False  # True: the 20 superclasses instead of the 100 fine classes
 
 
@@ -286,7 +287,7 @@ class CIFAR100Config:
 class CIFAR100:
     """CIFAR-100 (fine, or the 20 coarse superclasses) from `<data_dir>/cifar-100-python`."""
 
-    Config = CIFAR100Config
+    Options = CIFAR100Options
     num_classes = 100
 
     @staticmethod
@@ -329,7 +330,7 @@ CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 
 
 @dataclass
-class CINIC10Config:
+class CINIC10Options(Options):
     use_valid: bool = False  # also train on the `valid` split (90k more images)
 
 
@@ -339,7 +340,7 @@ class CINIC10:
     (32x32 RGB), read with torchvision's ImageFolder. It is not downloadable through
     torchvision: fetch and unpack it there yourself."""
 
-    Config = CINIC10Config
+    Options = CINIC10Options
     num_classes = 10
 
     @staticmethod
@@ -391,13 +392,19 @@ class Digits:
 
 
 @dataclass
-class SyntheticConfig:
-    alpha: float = 1.0  # how much local models differ
-    beta: float = 1.0  # how much local inputs differ
-    dim: int = 60
-    num_classes: int = 10
-    samples_per_client: int = 0  # 0: FedProx's log-normal sizes; > 0: this many per client
-    test_fraction: float = 0.2  # each user's share held out for the global test set
+class SyntheticOptions(Options):
+    alpha: float = option(1.0, at_least=0)  # how much local models differ
+    beta: float = option(1.0, at_least=0)  # how much local inputs differ
+    dim: int = option(60, at_least=1)
+    num_classes: int = option(10, at_least=2)
+    samples_per_client: int = option(0, at_least=0)  # 0: FedProx's log-normal sizes; > 0: this many per client
+    test_fraction: float = option(0.2, above=0, below=1)  # each user's share held out for the global test set
+
+    def check(self, cfg, section: str) -> None:
+        if cfg.input_scale != "standardize":
+            raise ConfigError("input_scale applies to image datasets; synthetic's features are not pixels "
+                              "(leave input_scale=standardize)")
+        Synthetic.check_memory(cfg)
 
 
 @DATASETS.register("synthetic")
@@ -406,28 +413,12 @@ class Synthetic:
     u_k ~ N(0, alpha); x ~ N(v_k, Sigma), v_k ~ N(B_k, 1), B_k ~ N(0, beta), Sigma_jj = j^-1.2;
     y = argmax(W_k x + b_k). One user per client (`num_clients` users); natural partition."""
 
-    Config = SyntheticConfig
+    Options = SyntheticOptions
     num_classes = 10
 
     @staticmethod
     def classes(cfg: DictConfig) -> int:
         return int(cfg.synthetic.num_classes)
-
-    @staticmethod
-    def validate_config(cfg: DictConfig) -> None:
-        s = cfg.synthetic
-        if s.alpha < 0 or s.beta < 0:
-            raise ConfigError(f"synthetic.alpha and synthetic.beta must be >= 0, got {s.alpha}, {s.beta}")
-        if s.dim < 1 or s.num_classes < 2:
-            raise ConfigError("synthetic.dim must be >= 1 and synthetic.num_classes >= 2")
-        if not 0 < s.test_fraction < 1:
-            raise ConfigError(f"synthetic.test_fraction must be in (0, 1), got {s.test_fraction}")
-        if s.samples_per_client < 0:
-            raise ConfigError(f"synthetic.samples_per_client must be >= 0, got {s.samples_per_client}")
-        if cfg.input_scale != "standardize":
-            raise ConfigError("input_scale applies to image datasets; synthetic's features are not pixels "
-                              "(leave input_scale=standardize)")
-        Synthetic.check_memory(cfg)
 
     @staticmethod
     def sizes(cfg: DictConfig, rng: np.random.Generator) -> np.ndarray:

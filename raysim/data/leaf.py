@@ -32,8 +32,9 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.data.datasets import FederatedData, _pixels, _scaling
+from raysim.options import Options, option
 from raysim.registry import DATASETS
 
 
@@ -115,10 +116,18 @@ class FEMNIST:
 
 
 @dataclass
-class Sent140Config:
-    max_words: int = 25  # words per tweet (LEAF: 25)
-    vocab_size: int = 10000  # most frequent training words kept (without embeddings)
+class Sent140Options(Options):
+    max_words: int = option(25, at_least=1)  # words per tweet (LEAF: 25)
+    vocab_size: int = option(10000, at_least=1)  # most frequent training words kept (without embeddings)
     embeddings: Optional[str] = None  # GloVe-style text file: frozen word vectors instead of token ids
+
+    def check(self, cfg, section: str) -> None:
+        if self.embeddings is not None and not Path(self.embeddings).expanduser().is_file():
+            raise ConfigError(f"sent140.embeddings: no file {self.embeddings}")
+        vocab = cfg.model_options.get("vocab_size", 10002)
+        if cfg.model == "lstm" and self.embeddings is None and vocab < self.vocab_size + 2:
+            raise ConfigError(f"model_options.vocab_size={vocab} must be >= sent140.vocab_size + 2 = "
+                              f"{self.vocab_size + 2} (the words, padding and unknown)")
 
 
 TOKEN = re.compile(r"[\w']+|[.,!?;]")
@@ -154,20 +163,8 @@ def read_vectors(path: Path, words: set) -> tuple[dict[str, np.ndarray], int]:
 class Sent140:
     """Sentiment140 tweets, a client per user, labels 0 / 1 (module docstring)."""
 
-    Config = Sent140Config
+    Options = Sent140Options
     num_classes = 2
-
-    @staticmethod
-    def validate_config(cfg: DictConfig) -> None:
-        s = cfg.sent140
-        if s.max_words < 1 or s.vocab_size < 1:
-            raise ConfigError("sent140.max_words and sent140.vocab_size must be >= 1")
-        if s.embeddings is not None and not Path(s.embeddings).expanduser().is_file():
-            raise ConfigError(f"sent140.embeddings: no file {s.embeddings}")
-        vocab = cfg.model_options.get("vocab_size", 10002)
-        if cfg.model == "lstm" and s.embeddings is None and vocab < s.vocab_size + 2:
-            raise ConfigError(f"model_options.vocab_size={vocab} must be >= sent140.vocab_size + 2 = "
-                              f"{s.vocab_size + 2} (the words, padding and unknown)")
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:

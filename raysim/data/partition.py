@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.registry import PARTITIONS
 
 

@@ -199,3 +199,26 @@ def model_option_defaults(name: str) -> dict:
 
     params = list(inspect.signature(MODELS.get(name)).parameters.values())[2:]
     return {p.name: p.default for p in params}
+
+
+def check_model_options(name: str, options: dict) -> None:
+    """The model zoo checks the options a run gives model `name` (config `model_options`):
+    each must be an argument of its factory; sizes and counts integers (>= 1, or >= 0 where
+    0, the default, means off); named choices one of theirs. A `ConfigError` names the key."""
+    from raysim.errors import ConfigError
+
+    takes = model_option_defaults(name)
+    for key, value in options.items():
+        if key not in takes:
+            raise ConfigError(f"model_options.{key}: model {name!r} takes {', '.join(takes) if takes else 'no options'}")
+        if isinstance(takes[key], int):  # width, vocab_size, layers, ...
+            least = 0 if takes[key] == 0 else 1
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ConfigError(f"model_options.{key} must be an integer >= {least}, got {value!r}")
+        if key in MODEL_OPTION_CHOICES and value not in MODEL_OPTION_CHOICES[key]:
+            raise ConfigError(f"model_options.{key} must be one of {', '.join(MODEL_OPTION_CHOICES[key])}, "
+                              f"got {value!r}")
+    hidden = options.get("hidden")
+    if not (hidden is None or (isinstance(hidden, (list, tuple))
+                               and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden))):
+        raise ConfigError(f"model_options.hidden must be a list of layer sizes >= 1, e.g. [128], got {hidden!r}")

@@ -20,7 +20,7 @@ def _pyplot():
 
 
 def check_path(path: Path) -> None:
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     if path.suffix.lower() not in FORMATS:
         raise ConfigError(f"--plot {path}: the file must end in .png or .svg")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 _FORM = re.compile(r"(?:(?P<fn>mean|max|min|last(?P<k>\d+)|round)\()?(?P<name>\w+)"
                    r"(?:@(?P<at>\d+(?:\.\d*)?)(?P<mib>MiB)?)?(?:>=(?P<x>[-+\d.e]+))?(?(fn)\))")

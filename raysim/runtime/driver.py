@@ -11,7 +11,7 @@ import traceback
 
 import ray
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.errors import RunDiverged
 
 

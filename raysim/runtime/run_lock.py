@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 FILE = ".lock"
 

@@ -1,0 +1,173 @@
+"""The core configuration schema: typed dataclasses, one per section, with their defaults.
+
+OmegaConf builds the structured config from them, so an unknown key or a wrongly typed value
+is caught by name when the layers are merged (raysim.config.layers); the ranges are checked
+in raysim.config.validate. Plugin sections are added to this by raysim.config.sections."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+AUGMENTATIONS = ("none", "colour", "crop_flip")  # local.augment, see raysim/data/augment.py
+
+
+def augmentation_name(value) -> str:
+    """`local.augment` as one of AUGMENTATIONS (true means colour, false none); else ValueError."""
+    if value is True:
+        return "colour"
+    if value is False or value is None:
+        return "none"
+    if isinstance(value, str) and value in AUGMENTATIONS:
+        return value
+    raise ValueError(value)
+
+
+@dataclass
+class PartitionConfig:
+    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | classes_power_law | natural
+    beta: float = 0.5  # Dirichlet concentration (dirichlet: over labels, quantity: over sizes)
+    k: int = 2  # classes, classes_power_law: labels per client (#C=k)
+    shards_per_client: int = 2  # shards: label-sorted shards per client
+    sigma: float = 2.0  # power_law, classes_power_law: sigma of the log-normal client sizes
+    min_size: int = 10  # fewest training samples a client may hold (NIID-Bench's rule for dirichlet / quantity)
+    max_draws: int = 100  # dirichlet / quantity: redraws before the best draw is topped up to min_size
+    test_fraction: float = 0.0  # share of each client's samples kept as its local test set
+
+
+@dataclass
+class LongTailConfig:
+    imbalance: float = 1.0  # IF: the training set keeps n_max * IF^(-c/(C-1)) of class c (1: as it is)
+
+
+@dataclass
+class EvalConfig:
+    # many / medium / few-shot class groups by training samples (after long_tail): a class
+    # with more than shots[0] samples is many-shot, fewer than shots[1] few-shot (CReFF's
+    # CIFAR-10-LT: > 1500, < 200)
+    shots: List[int] = field(default_factory=lambda: [1500, 200])
+    tau_norm: float = 0.0  # > 0: evaluate every model with classifier rows w_c / ||w_c||^tau (0: off)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False  # also log the per-round metrics to <run dir>/tensorboard (the `tensorboard` extra)
+
+
+@dataclass
+class LocalConfig:
+    epochs: int = 1
+    steps: int = 0  # > 0: this many SGD steps instead of `epochs` epochs
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+    lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
+    augment: Any = False  # false | colour (= true; FedEntOpt's) | crop_flip (NIID-Bench's): see raysim/data/augment.py
+    focal_gamma: float = 0.0  # > 0: the focal loss instead of cross-entropy (algorithms that train on the plain loss)
+    vectorize: bool = False  # train groups of clients as one batched program (raysim/vectorized.py)
+    vectorize_group: int = 64  # clients per group, cut from the sorted cohort by client id
+
+
+@dataclass
+class ResourcesConfig:
+    clients_per_actor: Any = "auto"  # "auto" (one actor per CPU share) or an int; 1 = actor per client
+    num_actors: Optional[int] = None  # this many client actors (wins over clients_per_actor); on an
+    # autoscaling cluster the autoscaler adds nodes until they fit
+    num_cpus_per_actor: Optional[float] = None  # None: 1 CPU each, or an equal share of the CPUs when
+    # clients_per_actor asks for more actors than there are CPUs
+    num_gpus_per_actor: float = 0.0
+    torch_threads: int = 1  # torch intra-op threads in each client actor
+    placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: start a local Ray; "auto" or host:port: join a cluster
+    dashboard: bool = False  # local Ray only: start the dashboard (costs ~1 GB RSS and ~1 s)
+    num_cpus: Optional[int] = None  # local Ray only: CPUs to offer (default: all)
+    object_store_gb: Optional[float] = None  # local Ray only: its object store, GB (default: Ray's, 30% of memory)
+    # between runs in one Ray session (raysim.simulate in a notebook, a sweep, a test suite):
+    # keep the server's and client actors' processes and reuse them (see runtime/pool.py)
+    reuse_workers: bool = True
+
+
+@dataclass
+class SystemConfig:
+    """System heterogeneity, for any algorithm (FedEntOpt's robustness runs). Stragglers
+    vary the number of epochs, so they have no effect when `local.steps` is set."""
+
+    dropout: float = 0.0  # probability that a selected client does not return its update
+    stragglers: float = 0.0  # fraction of all clients that are stragglers (drawn once from the seed)
+    straggler_epochs: List[int] = field(default_factory=lambda: [1, 5])  # a straggler's epochs: uniform in [lo, hi]
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests, drills and research on unreliable clients. Every death is
+    a real one: the client actor's process exits (`os._exit`) and Ray restarts it."""
+
+    crash_round: int = -1  # with crash_client: the actor training this client in this round dies
+    crash_client: int = -1
+    kill_fraction: float = 0.0  # this share of the client actors (at least one) dies in each of `kill_rounds`
+    kill_rounds: List[int] = field(default_factory=list)
+
+
+@dataclass
+class JoinConfig:
+    """Clients that join late (newcomers), for any algorithm and selection: see
+    runtime/availability.py. Which clients are late is drawn once from the seed."""
+
+    fraction: float = 0.0  # share of the clients (at least one when > 0) not there at the start
+    round: int = 1  # the first round they can be selected
+    over: int = 1  # they arrive in equal batches over this many rounds, from `round` on
+
+
+@dataclass
+class ClientsConfig:
+    join: JoinConfig = field(default_factory=JoinConfig)
+
+
+@dataclass
+class Config:
+    algorithm: str = "fedavg"
+    selection: str = "random"
+    dataset: str = "digits"
+    model: str = "mlp"
+    model_options: Dict[str, Any] = field(default_factory=dict)  # the model's own arguments, e.g. mlp's hidden
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    num_clients: int = 20
+    clients_per_round: Optional[int] = None  # overrides participation when set
+    participation: float = 0.5
+    rounds: int = 30
+    local: LocalConfig = field(default_factory=LocalConfig)
+    seed: int = 0
+    eval_every: int = 1
+    output_dir: str = "runs"
+    run_name: Optional[str] = None  # default: <algorithm>-<dataset>-<timestamp>
+    data_dir: str = "data"
+    download: bool = True
+    input_scale: str = "standardize"  # images: standardize (per-channel mean / std) | unit (pixels in [0, 1])
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
+    checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
+    resume: Optional[str] = None  # a run directory: continue that run from its checkpoint
+
+
+def clients_per_round(cfg: DictConfig) -> int:
+    if cfg.clients_per_round is not None:
+        return int(cfg.clients_per_round)
+    return max(1, int(round(cfg.participation * cfg.num_clients)))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

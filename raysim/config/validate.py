@@ -1,0 +1,172 @@
+"""Checks that need no data: names exist, numbers are finite and in range, options combine.
+
+Each chosen plugin checks its own section (`Options.check`, raysim.options) and the model
+zoo its `model_options` (raysim.models.check_model_options); the core keys are checked here."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from raysim import registry
+from raysim.config.schema import AUGMENTATIONS, augmentation_name
+from raysim.config.sections import PLUGIN_KINDS, section_of
+from raysim.errors import ConfigError
+
+def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:
+    name = OmegaConf.select(cfg, key)
+    if name not in reg:
+        raise ConfigError(f"{key}={name!r} is not a known {reg.kind}; choose one of: {', '.join(reg.names())}")
+
+
+def _non_finite(node, key: str = "") -> Optional[str]:
+    """The first key (dotted, [i] for list items) whose value is a NaN or infinite number."""
+    if isinstance(node, float):
+        return None if math.isfinite(node) else key
+    if isinstance(node, dict):
+        children = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
+    elif isinstance(node, list):
+        children = ((f"{key}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return None
+    for child_key, value in children:
+        found = _non_finite(value, child_key)
+        if found is not None:
+            return found
+    return None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need no data: names exist, numbers are finite and in range."""
+    bad = _non_finite(OmegaConf.to_container(cfg))
+    if bad is not None:
+        raise ConfigError(f"{bad}={OmegaConf.select(cfg, bad)} is not a finite number; give a finite value")
+    _check_name(cfg, "algorithm", registry.ALGORITHMS)
+    _check_name(cfg, "selection", registry.SELECTIONS)
+    _check_name(cfg, "dataset", registry.DATASETS)
+    _check_name(cfg, "model", registry.MODELS)
+    _check_name(cfg, "partition.name", registry.PARTITIONS)
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    from raysim.models import check_model_options
+
+    check_model_options(cfg.model, OmegaConf.to_container(cfg.model_options))
+    need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
+    if cfg.log.tensorboard:
+        import importlib.util
+
+        need(importlib.util.find_spec("tensorboard") is not None,
+             "log.tensorboard=true needs the tensorboard package: pip install 'raysim[tensorboard]' (or tensorboard)")
+    need(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
+    if cfg.clients_per_round is not None:
+        need(1 <= cfg.clients_per_round <= cfg.num_clients,
+             f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
+    need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    address = cfg.ray.address
+    m = re.fullmatch(r"(ray://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", str(address))
+    need(address is None or address == "auto" or (m is not None and 1 <= int(m.group(3)) <= 65535),
+         f"ray.address={address!r} is not an address Ray can join: give auto (the cluster this machine is part "
+         "of), HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray Client), or leave it "
+         "unset for a local Ray")
+    need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
+    name = cfg.run_name
+    need(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
+         f"run_name={name!r} must be a plain folder name inside output_dir (no '/', '\\' or '..')")
+    need(name is None or (len(str(name).encode("utf-8", "surrogateescape")) <= 200
+                          and not any(ord(ch) < 32 or ord(ch) == 127 for ch in str(name))),
+         f"run_name must be at most 200 bytes with no control characters (file systems take 255 for a name), "
+         f"got {len(str(name).encode('utf-8', 'surrogateescape'))} bytes: {str(name)[:40]!r}...")
+    need(cfg.input_scale in ("standardize", "unit"),
+         f"input_scale must be standardize or unit, got {cfg.input_scale!r}")
+    need(cfg.eval_every >= 1, f"eval_every must be >= 1, got {cfg.eval_every}")
+    p = cfg.partition
+    need(p.beta > 0, f"partition.beta must be > 0, got {p.beta}")
+    need(p.k >= 1, f"partition.k must be >= 1, got {p.k}")
+    need(p.shards_per_client >= 1, f"partition.shards_per_client must be >= 1, got {p.shards_per_client}")
+    need(p.sigma > 0, f"partition.sigma must be > 0, got {p.sigma}")
+    need(p.min_size >= 1, f"partition.min_size must be >= 1, got {p.min_size}")
+    need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
+    need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
+    need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
+    need(cfg.eval.tau_norm >= 0, f"eval.tau_norm must be >= 0 (0: off, 1: unit-norm classifier rows), got {cfg.eval.tau_norm}")
+    shots = list(cfg.eval.shots)
+    need(len(shots) == 2 and shots[0] >= shots[1] >= 0,
+         f"eval.shots must be [many, few] with many >= few >= 0 (classes with more than many training samples are "
+         f"many-shot, fewer than few few-shot), got {shots}")
+    loc = cfg.local
+    need(loc.epochs >= 1 or loc.steps >= 1, "local.epochs or local.steps must be >= 1")
+    need(loc.steps >= 0, f"local.steps must be >= 0, got {loc.steps}")
+    need(loc.batch_size >= 1, f"local.batch_size must be >= 1, got {loc.batch_size}")
+    need(loc.lr > 0, f"local.lr must be > 0, got {loc.lr}")
+    need(0 <= loc.momentum < 1, f"local.momentum must be in [0, 1), got {loc.momentum}")
+    need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
+    need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
+    need(loc.focal_gamma >= 0, f"local.focal_gamma must be >= 0 (0: cross-entropy), got {loc.focal_gamma}")
+    if loc.focal_gamma > 0 and not getattr(registry.ALGORITHMS.get(cfg.algorithm), "trains_on_base_loss", False):
+        takes = [n for n in registry.ALGORITHMS.names() if getattr(registry.ALGORITHMS.get(n), "trains_on_base_loss", False)]
+        raise ConfigError(f"local.focal_gamma: algorithm {cfg.algorithm!r} trains on its own loss, not the plain one; "
+                          f"algorithms that take it: {', '.join(takes)}")
+    try:
+        augmentation_name(loc.augment)
+    except ValueError:
+        raise ConfigError(f"local.augment must be one of false, true, {', '.join(AUGMENTATIONS)}; "
+                          f"got {loc.augment!r}") from None
+    if loc.vectorize:
+        need(loc.vectorize_group >= 1, f"local.vectorize_group must be >= 1, got {loc.vectorize_group}")
+        if not registry.ALGORITHMS.get(cfg.algorithm).vectorizes():
+            takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).vectorizes()]
+            raise ConfigError(f"local.vectorize: algorithm {cfg.algorithm!r} trains its clients one at a time; "
+                              f"vectorised: {', '.join(takes)}")
+        need(augmentation_name(loc.augment) == "none",
+             f"local.vectorize does not combine with local.augment={loc.augment} (its random draws interleave with "
+             "the batch order): set local.augment=false or local.vectorize=false")
+    sy = cfg.system
+    need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
+    need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
+    se = list(sy.straggler_epochs)
+    need(len(se) == 2 and 1 <= se[0] <= se[1],
+         f"system.straggler_epochs must be [lo, hi] with 1 <= lo <= hi, got {se}")
+    need(cfg.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
+    fa = cfg.faults
+    need(0 <= fa.kill_fraction <= 1, f"faults.kill_fraction must be in [0, 1], got {fa.kill_fraction}")
+    kr = list(fa.kill_rounds)
+    need(all(1 <= r <= cfg.rounds for r in kr), f"faults.kill_rounds must be round numbers in [1, rounds={cfg.rounds}], got {kr}")
+    need((fa.kill_fraction > 0) == bool(kr),
+         f"faults.kill_fraction={fa.kill_fraction} and faults.kill_rounds={kr} go together: give both "
+         "(a fraction > 0 and the rounds in which that share of the client actors dies) or neither")
+    need((fa.crash_round == -1) == (fa.crash_client == -1),
+         f"faults.crash_round={fa.crash_round} and faults.crash_client={fa.crash_client} go together: give both or neither")
+    need(fa.crash_round == -1 or 1 <= fa.crash_round <= cfg.rounds,
+         f"faults.crash_round must be in [1, rounds={cfg.rounds}], got {fa.crash_round}")
+    need(fa.crash_client == -1 or 0 <= fa.crash_client < cfg.num_clients,
+         f"faults.crash_client must be a client id in [0, num_clients={cfg.num_clients}), got {fa.crash_client}")
+    j = cfg.clients.join
+    need(0 <= j.fraction < 1, f"clients.join.fraction must be in [0, 1) (some clients must be there at the start), "
+                              f"got {j.fraction}")
+    need(j.over >= 1, f"clients.join.over must be >= 1 (rounds over which the newcomers arrive), got {j.over}")
+    need(j.fraction == 0 or 2 <= j.round and j.round + j.over - 1 <= cfg.rounds,
+         f"clients.join: newcomers arrive in rounds [round, round + over - 1] = [{j.round}, {j.round + j.over - 1}], "
+         f"which must lie in [2, rounds={cfg.rounds}]")
+    r = cfg.resources
+    cpa = r.clients_per_actor
+    need(cpa == "auto" or (isinstance(cpa, int) and not isinstance(cpa, bool) and cpa >= 1),
+         f"resources.clients_per_actor must be 'auto' or an integer >= 1, got {cpa!r}")
+    need(r.num_actors is None or r.num_actors >= 1, f"resources.num_actors must be >= 1, got {r.num_actors}")
+    need(r.num_cpus_per_actor is None or r.num_cpus_per_actor >= 0,
+         f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
+    need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
+    need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
+    need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
+    need(cfg.ray.object_store_gb is None or cfg.ray.object_store_gb > 0,
+         f"ray.object_store_gb must be > 0, got {cfg.ray.object_store_gb}")
+    need(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1,
+         f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {cfg.ray.num_cpus}")
+    for key, reg in PLUGIN_KINDS.items():  # each chosen part checks its own options
+        section = section_of(reg, cfg[key])
+        if section is not None:
+            reg.get(cfg[key]).Options.check_section(cfg, section)
