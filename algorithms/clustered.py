@@ -58,7 +58,7 @@ class GroupModels(FedAvg):
 
     @property
     def opts(self):
-        return self.cfg[getattr(type(self), "config_section", None) or self.cfg.algorithm]
+        return self.cfg[type(self).config_section or self.cfg.algorithm]
 
     # ------------------------------------------------------------------ server
     def setup(self, server: Server) -> None:

@@ -19,7 +19,7 @@ any algorithm (`selection=fedentopt algorithm=scaffold`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -85,11 +85,23 @@ class Server(Protocol):
 
 
 class Algorithm:
-    """Base class. Subclasses set `Config` (a dataclass: their section of the config, under
-    their registered name) and override the hooks they need."""
+    """Base class of an algorithm plugin: register a subclass with
+    `@ALGORITHMS.register("name")` and override the hooks it needs. Every hook the runtime
+    reads is declared here with its default; `examples/my_algorithm.py` is a whole one."""
 
-    Config: Optional[type] = None
-    client_state = False  # True: clients keep `client.state` between rounds (SCAFFOLD's c_i, ...)
+    # ---- declarations the runtime and the config read -------------------------------
+    Options: ClassVar[Optional[type]] = None
+    """The algorithm's own options: a dataclass subclassing `raysim.options.Options`; the
+    config gains a section under the registered name (or `config_section`), checked by it."""
+    config_section: ClassVar[Optional[str]] = None
+    """Read another registered name's section instead (fedconcat_id reads `fedconcat.*`)."""
+    client_state: ClassVar[bool] = False
+    """True: each client keeps `client.state` between the rounds it takes part in (SCAFFOLD's
+    c_i, MOON's previous model); the runtime stores and checkpoints it."""
+    trains_on_base_loss: ClassVar[bool] = False
+    """True: local training minimises `training.base_loss` (cross-entropy, or the focal loss
+    with `local.focal_gamma`), possibly plus a penalty (FedProx); False: its own loss, and
+    `local.focal_gamma` is refused."""
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg
@@ -154,7 +166,18 @@ class Algorithm:
 
     # ---- client half -------------------------------------------------------------
     def client_update(self, client: Client, payload: Any) -> ClientResult:
+        """Train on one client (inside a client actor) from the round's `payload`; return
+        what the server's `aggregate` folds. Any other method named by
+        `server.run_clients(..., method=NAME)` has the same shape."""
         raise NotImplementedError
+
+    def local_loss(self, client: Client, payload: Any) -> Callable:
+        """The loss `loss(model, x, y)` that local SGD minimises, for client updates built
+        on `training.local_sgd` (FedAvg's). Default: `training.base_loss`; FedProx adds its
+        proximal term, FedLC / FedRS / FedFocal replace it."""
+        from raysim.training import base_loss
+
+        return base_loss(client.cfg.local)
 
     def client_update_cohort(self, clients: list[Client], payload: Any) -> list[ClientResult]:
         """`client_update` of a group of clients as one batched program (`local.vectorize`,
@@ -179,8 +202,11 @@ class Selection:
     """A client-selection strategy. `setup` may gather client information once (e.g. label
     counts via `server.run_clients(..., on="selection")`); `select` picks a cohort."""
 
-    Config: Optional[type] = None
-    client_state = False
+    Options: ClassVar[Optional[type]] = None
+    """As `Algorithm.Options`: the strategy's own section of the config."""
+    config_section: ClassVar[Optional[str]] = None
+    client_state: ClassVar[bool] = False
+    """True: the client methods it runs (`on="selection"`) keep `client.state` between rounds."""
 
     def __init__(self, cfg: DictConfig, num_clients: int, num_classes: int):
         self.cfg = cfg

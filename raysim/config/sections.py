@@ -25,7 +25,7 @@ def section_of(reg: registry.Registry, name: str) -> Optional[str]:
     options = getattr(part, "Options", None)
     if options is None or not dataclasses.is_dataclass(options):
         return None
-    return getattr(part, "config_section", None) or name
+    return getattr(part, "config_section", None) or name  # datasets are plain classes
 
 
 def schema() -> DictConfig:

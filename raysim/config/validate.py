@@ -107,8 +107,8 @@ def validate(cfg: DictConfig) -> None:
     need(loc.weight_decay >= 0, f"local.weight_decay must be >= 0, got {loc.weight_decay}")
     need(0 < loc.lr_decay <= 1, f"local.lr_decay must be in (0, 1], got {loc.lr_decay}")
     need(loc.focal_gamma >= 0, f"local.focal_gamma must be >= 0 (0: cross-entropy), got {loc.focal_gamma}")
-    if loc.focal_gamma > 0 and not getattr(registry.ALGORITHMS.get(cfg.algorithm), "trains_on_base_loss", False):
-        takes = [n for n in registry.ALGORITHMS.names() if getattr(registry.ALGORITHMS.get(n), "trains_on_base_loss", False)]
+    if loc.focal_gamma > 0 and not registry.ALGORITHMS.get(cfg.algorithm).trains_on_base_loss:
+        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).trains_on_base_loss]
         raise ConfigError(f"local.focal_gamma: algorithm {cfg.algorithm!r} trains on its own loss, not the plain one; "
                           f"algorithms that take it: {', '.join(takes)}")
     try:

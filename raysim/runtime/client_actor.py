@@ -87,7 +87,7 @@ class ClientActor:
         elif self.x is None:
             raise DataNotAttached("client actor has no data (restarted since its last call)")
         plugin = self.plugins[on]
-        stateful = bool(getattr(plugin, "client_state", False))
+        stateful = bool(plugin.client_state)
         states = states if stateful else [None] * len(cids)
         payload = unpack(payload)
         results, new_states = [], []

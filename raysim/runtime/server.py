@@ -184,7 +184,7 @@ class FederatedServer:
         # A big payload goes to the object store once and every task gets the reference;
         # a small one is cheaper inlined in each task (Ray inlines arguments under 100 KB).
         payload_arg = ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
-        stateful = bool(getattr(self.plugins[on], "client_state", False))
+        stateful = bool(self.plugins[on].client_state)
         work = {c: int(self.sizes[c]) * epochs[c] for c in cids}  # stragglers weigh more
         # Results come back in groups of about FETCH_BYTES (judged by the payload, about the
         # size of an update): one object for many small updates, one per client for big ones.
