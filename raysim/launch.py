@@ -2,7 +2,7 @@
 
 `check` reads and validates the config before Ray starts (a typo costs a second or two);
 `start_ray` starts a local Ray (on loopback only) or joins `ray.address`; `launch` starts
-the driver actor, waits (bounded) for the client actors to be placed, steps the rounds and
+the server actor, waits (bounded) for the client actors to be placed, steps the rounds and
 returns the summary. Failures come back as exceptions whose message is a few lines:
 `ConfigError` (bad input, nothing written), `RunDiverged`, `RunFailed` (an exception in
 an algorithm's or a plugin's code; the full traceback is in the run's log.txt),
@@ -42,7 +42,7 @@ def quiet(line: str) -> None:
 
 
 class DriverDied(Exception):
-    """The driver actor's process died mid-run (killed, out of memory)."""
+    """The server actor's process died mid-run (killed, out of memory)."""
 
 
 class Interrupted(Exception):
@@ -92,7 +92,7 @@ def check_finished(cfg) -> None:
 def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
     """`check` in a forked child process, for the command line: checking imports every
     algorithm's module and with them torch (~500 MB, ~2 s), which the command itself never
-    needs (its driver and client actors are other processes); the child's memory goes when
+    needs (its server and client actors are other processes); the child's memory goes when
     it exits. Same result, same errors; in-process where there is no fork."""
     if not hasattr(os, "fork") or "torch" in sys.modules:
         return check(config_files, overrides, say)
@@ -302,32 +302,32 @@ def first_line(e: BaseException) -> str:
 
 
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-           driver_name: str = "raysim-server") -> dict:
+           server_name: str = "raysim-server") -> dict:
     """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
     from raysim.runtime.run_lock import RunLock
 
     with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
-        return drive(layers, cfg, t_start, progress, say, driver_name)
+        return drive(layers, cfg, t_start, progress, say, server_name)
 
 
 def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-          driver_name: str = "raysim-server") -> dict:
-    """Start the driver actor on this node (it writes the run directory here), or take the
+          server_name: str = "raysim-server") -> dict:
+    """Start the server actor on this node (it writes the run directory here), or take the
     one a finished run of this session left (`ray.reuse_workers`, runtime/pool.py), wait for
-    the client actors, run every round, return the summary. `driver_name`: the driver
+    the client actors, run every round, return the summary. `server_name`: the server
     actor's name (a sweep's points that run at once each have their own)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raysim.runtime import pool
-    from raysim.runtime.driver import ServerDriver
+    from raysim.runtime.server_actor import ServerActor
 
     reuse = bool(cfg.ray.reuse_workers)
-    driver = pool.warm_driver(reuse)
-    if driver is None:
+    server = pool.warm_server(reuse)
+    if server is None:
         here = ray.get_runtime_context().get_node_id()
-        driver = ServerDriver.options(
-            name=driver_name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        server = ServerActor.options(
+            name=server_name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote()
         say("starting the server: it loads and partitions the data while the client actors start")
     else:
@@ -336,12 +336,12 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     run_dir = None
     keep = False
     try:
-        info = ray.get(driver.setup.remote(layers, os.getcwd(), t_start))
+        info = ray.get(server.setup.remote(layers, os.getcwd(), t_start))
         if info.get("notice"):
             print(f"note: {info['notice']}", file=sys.stderr)
         say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
-        wait_for_actors(driver, info, say)
-        info = ray.get(driver.open_run.remote())
+        wait_for_actors(server, info, say)
+        info = ray.get(server.open_run.remote())
         run_dir = info["run_dir"]
         say(info["banner"])
         say(f"run directory: {run_dir}")
@@ -351,14 +351,14 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
             bar.update(info["start_round"] - 1)
         for rnd in range(info["start_round"], info["rounds"] + 1):
-            row = ray.get(driver.step.remote(rnd))
+            row = ray.get(server.step.remote(rnd))
             if stop_requested.is_set():
                 raise KeyboardInterrupt
             if bar is not None:
                 if row.get("accuracy") is not None:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
-        summary = ray.get(driver.finish.remote())
+        summary = ray.get(server.finish.remote())
         keep = True
         return summary
     except ray.exceptions.ActorDiedError as e:
@@ -367,7 +367,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         raise DriverDied(f"the server process died in the run's middle ({first_line(e)[:120]}); "
                          f"`python -m raysim.run resume={run_dir}` continues it from its last checkpoint") from None
     except ray.exceptions.RayTaskError as e:
-        flush(driver)
+        flush(server)
         known = e.cause if isinstance(e.cause, Exception) and _is_ours(e.cause) else None
         # the processes are fit for another run after a clean stop: the data checks refused
         # the run (nothing started), or it diverged (its summary says where)
@@ -376,32 +376,32 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             raise known from None  # ConfigError, RunDiverged: their message is the whole story
         raise RunFailed(failure_message(e, run_dir)) from None
     except KeyboardInterrupt:
-        flush(driver)
+        flush(server)
         where = (f"the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues from "
                  "its last checkpoint (checkpoint_every)") if run_dir else "before the first round: nothing was written"
         raise Interrupted(f"interrupted {where}") from None
     except BaseException:
-        flush(driver)
+        flush(server)
         raise
     finally:
         if bar is not None:
             bar.close()
         if keep and reuse:
-            pool.keep_driver(driver, cfg.plugins)
+            pool.keep_server(server, cfg.plugins)
         else:
-            ray.kill(driver)  # and the client actors it owns
+            ray.kill(server)  # and the client actors it owns
 
 
 def _is_ours(e: BaseException) -> bool:
     return isinstance(e, (ConfigError, RunDiverged, WriteFailed))
 
 
-def flush(driver) -> None:
+def flush(server) -> None:
     """Keep the metrics of the rounds that ran (a crash or Ctrl-C)."""
     import ray
 
     try:
-        ray.get(driver.flush.remote(), timeout=30)
+        ray.get(server.flush.remote(), timeout=30)
     except Exception:
         pass
 
@@ -411,7 +411,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]+(\S[^\n]*)')
 
 def failure_message(e, run_dir: Optional[str]) -> str:
     """A few lines for an exception raised in a round: the innermost exception (a client
-    actor's inside the driver's), and the last frame of it outside installed libraries
+    actor's inside the server's), and the last frame of it outside installed libraries
     (the plugin's or algorithm's own line)."""
     from ray.exceptions import RayTaskError
 
@@ -432,17 +432,17 @@ def failure_message(e, run_dir: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def wait_for_actors(driver, info: dict, say: Say = quiet) -> None:
+def wait_for_actors(server, info: dict, say: Say = quiet) -> None:
     """Wait until every client actor is placed and started, saying what it waits for every
     10 s; after `resources.placement_timeout` seconds stop with one line (nothing is written
-    before this: the driver opens the run directory after)."""
+    before this: the server opens the run directory after)."""
     import ray
 
     n, limit = info["actors"], info["placement_timeout"]
     t0 = time.time()
     said = t0
     while True:
-        placed = ray.get(driver.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
+        placed = ray.get(server.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
         if placed == n:
             return
         waited = time.time() - t0

@@ -195,7 +195,7 @@ def run_point(point: dict, files: list, cwd: str) -> dict:
         else:
             shutil.rmtree(run_dir)  # nothing to resume: start the point again
     layers, cfg = check(files, overrides)
-    summary = launch(layers, cfg, time.time(), progress=False, driver_name=f"raysim-server.{point['name']}")
+    summary = launch(layers, cfg, time.time(), progress=False, server_name=f"raysim-server.{point['name']}")
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
 
 

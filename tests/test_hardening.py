@@ -112,7 +112,7 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_lo
                 pass
         assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
         assert sum("ray::ClientActor" in _cmd(q) for q in procs) == 4  # 4 actors on 2 CPUs: 0.5 CPU each
-        driver = [q for q in procs if _cmd(q).startswith("ray::ServerDriver")]
+        driver = [q for q in procs if _cmd(q).startswith("ray::ServerActor")]
         assert len(driver) == 1
         driver[0].send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=120)

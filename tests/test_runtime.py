@@ -135,11 +135,11 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
     server.open_run()
     assert server.step(1)["dropped"] == 0
     pid = server.actor_info()[0]["pid"]
-    ray.kill(server.actors[0], no_restart=False)
+    ray.kill(server.dispatch.actors[0], no_restart=False)
     deadline = time.time() + 60
     while time.time() < deadline:  # wait for Ray to bring the actor back as a new process
         try:
-            if ray.get(server.actors[0].device_info.remote(), timeout=5)["pid"] != pid:
+            if ray.get(server.dispatch.actors[0].device_info.remote(), timeout=5)["pid"] != pid:
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             time.sleep(0.2)

@@ -1,5 +1,6 @@
-"""Clients over time: which clients exist in a round (`clients.join`), for any algorithm and
-selection strategy.
+"""Clients over time: which clients exist in a round (`clients.join`) and, of those that
+train, which drop out and which straggle (`system.*`), for any algorithm and selection
+strategy. Both are functions of the config and seed: nothing to checkpoint.
 
 `clients.join.fraction` of the clients (at least one when > 0; which ones is drawn once
 from the seed) are newcomers: they are not there before round `clients.join.round` and
@@ -7,7 +8,11 @@ arrive in `clients.join.over` equal batches, one per round from then on. The ser
 the selection strategy only the clients that are there (`Selection.available`), tells the
 algorithm who arrived (`Algorithm.clients_joined`, e.g. FedGroup's client cold start),
 records a `join` row per newcomer in the clients table, and evaluates (per-client) only
-clients that are there. A function of the config and seed: nothing to checkpoint.
+clients that are there.
+
+`system.dropout`: a training client does not return its update with this probability;
+`system.stragglers`: this share of the clients (drawn once) train a random number of
+epochs in `system.straggler_epochs`; each draw from (seed, round, client id).
 """
 from __future__ import annotations
 
@@ -34,3 +39,32 @@ class Availability:
     def joining(self, rnd: int) -> list[int]:
         """The newcomers that arrive in round `rnd` (none in round 1: everyone there is)."""
         return np.flatnonzero(self.joins == rnd).tolist() if rnd > 1 else []
+
+
+class SystemEffects:
+    """Dropout and stragglers (module docstring)."""
+
+    def __init__(self, cfg, num_clients: int):
+        self.cfg = cfg.system
+        self.seed = int(cfg.seed)
+        share = float(self.cfg.stragglers)  # a share > 0 makes at least one straggler
+        n_slow = max(1, int(round(share * num_clients))) if share > 0 else 0
+        self.stragglers = set(np.random.default_rng([self.seed, 4]).choice(num_clients, n_slow, replace=False).tolist())
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.dropout > 0 or bool(self.stragglers)
+
+    def apply(self, rnd: int, cids: list[int], epochs: dict) -> tuple[list[int], dict, list[int]]:
+        """(the clients that train, their epochs, the clients that dropped out) of a
+        training call in round `rnd`."""
+        kept, dropped = [], []
+        for c in cids:
+            rng = np.random.default_rng([self.seed, rnd, c, 3])
+            if self.cfg.dropout > 0 and rng.random() < self.cfg.dropout:
+                dropped.append(c)
+                continue
+            if c in self.stragglers:
+                epochs[c] = int(rng.integers(self.cfg.straggler_epochs[0], self.cfg.straggler_epochs[1] + 1))
+            kept.append(c)
+        return kept, epochs, dropped

@@ -79,7 +79,7 @@ class ClientActor:
         Returns the results in lists of `group` (one object each: a few objects for many
         small updates, one per client for big ones) and, for a plugin with
         `client_state = True`, then each client's new state as its own object (see
-        `FederatedServer.run_clients`). `data` = (config, [train arrays ref, train index ref],
+        `Dispatch.run`, runtime/dispatch.py). `data` = (config, [train arrays ref, train index ref],
         num_classes, normalisation, pixel_max) on a run's first call to this actor and the first after a
         restart, else None: references cost a little on every call that carries them."""
         if data is not None:
@@ -166,7 +166,7 @@ def start_client_actors(cfg, run: str) -> tuple[list, tuple, int]:
 
     On a local Ray (no `ray.address`) actors the machine cannot hold are refused now, with
     the numbers; a joined cluster may autoscale, so there the CLI waits for placement
-    (bounded by `resources.placement_timeout`, see `FederatedServer.placed`)."""
+    (bounded by `resources.placement_timeout`, see `Dispatch.placed`)."""
     res = cfg.resources
     total = ray.cluster_resources()
     n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))

@@ -1,17 +1,17 @@
 """Worker processes kept between runs in one Ray session (`ray.reuse_workers`, on by default).
 
-Starting a process that imports torch costs ~1.5 s, several seconds when a run's driver and
+Starting a process that imports torch costs ~1.5 s, several seconds when a run's server and
 client actors start together on two cores; a short run's rounds take well under a second.
 So a finished run leaves its processes for the next run of the same Ray session (a notebook
-calling `raysim.simulate`, a sweep, a test suite): the caller keeps the driver actor
-(`warm_driver` / `keep_driver`, in the caller's process) and the driver keeps its client
-actors (`take_client_actors` / `keep_client_actors`, in the driver's process).
+calling `raysim.simulate`, a sweep, a test suite): the caller keeps the server actor
+(`warm_server` / `keep_server`, in the caller's process) and the server keeps its client
+actors (`take_client_actors` / `keep_client_actors`, in the server's process).
 
-Nothing of a run survives in them: the driver builds a new `FederatedServer` per run and
+Nothing of a run survives in them: the server builds a new `FederatedServer` per run and
 seeds its RNGs from the run's seed; a client actor gets the run's config, data and plugins
 with its first call of the run and seeds every client from (seed, round, client id). The
 same run gives the same model on warm and on fresh processes (tested). What does survive is
-imported code, so a driver is reused only while raysim's sources and the run's plugin
+imported code, so a server is reused only while raysim's sources and the run's plugin
 modules are unchanged on disk (`code_stamp`); edits to other modules a plugin imports need
 `raysim.shutdown()` or `ray.reuse_workers=false`. A run that fails does not leave its
 processes. The CLI's Ray stops when the command ends, so there this changes nothing.
@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import ray
 
-# ---------------------------------------------------------------- the caller's side: the driver
-# the caller's last finished run's driver; "key": (node id, job id, code stamp) when it was kept;
+# ---------------------------------------------------------------- the caller's side: the server
+# the caller's last finished run's server; "key": (node id, job id, code stamp) when it was kept;
 # "plugins": every plugin module it or its client actors imported
 _warm: dict = {}
 
@@ -53,42 +53,42 @@ def _session_key(plugins) -> tuple:
     return ctx.get_node_id(), ctx.get_job_id(), code_stamp(plugins)
 
 
-def warm_driver(reuse: bool = True) -> Optional[Any]:
-    """The driver actor of this session's last finished run, if `reuse`, the code its
+def warm_server(reuse: bool = True) -> Optional[Any]:
+    """The server actor of this session's last finished run, if `reuse`, the code its
     processes imported is unchanged on disk and its process is alive; taken out of the pool
-    (a run owns it until `keep_driver`). One that is not reused is stopped (its name is the
-    new driver's)."""
-    driver, key, plugins = _warm.pop("driver", None), _warm.pop("key", None), _warm.pop("plugins", ())
-    if driver is None:
+    (a run owns it until `keep_server`). One that is not reused is stopped (its name is the
+    new server's)."""
+    server, key, plugins = _warm.pop("server", None), _warm.pop("key", None), _warm.pop("plugins", ())
+    if server is None:
         return None
     if reuse and key == _session_key(plugins):
         try:
-            ray.get(driver.ping.remote(), timeout=10)
-            _warm["plugins"] = plugins  # until keep_driver adds this run's
-            return driver
+            ray.get(server.ping.remote(), timeout=10)
+            _warm["plugins"] = plugins  # until keep_server adds this run's
+            return server
         except Exception:  # died, or belongs to a Ray that was shut down since
             pass
     try:
-        ray.kill(driver)  # its client actors go with it
-        ray.get(driver.ping.remote(), timeout=10)  # raises once it is gone, and its name free
+        ray.kill(server)  # its client actors go with it
+        ray.get(server.ping.remote(), timeout=10)  # raises once it is gone, and its name free
     except Exception:
         pass
     return None
 
 
-def keep_driver(driver, plugins) -> None:
+def keep_server(server, plugins) -> None:
     imported = tuple(sorted(set(_warm.pop("plugins", ())) | set(plugins or ())))
-    _warm.update(driver=driver, plugins=imported, key=_session_key(imported))
+    _warm.update(server=server, plugins=imported, key=_session_key(imported))
 
 
 def release() -> None:
-    """Stop the kept driver and its idle client actors (they hold CPUs and GPUs)."""
-    warm_driver(reuse=False)
+    """Stop the kept server and its idle client actors (they hold CPUs and GPUs)."""
+    warm_server(reuse=False)
 
 
-# ---------------------------------------------------------------- the driver's side: client actors
+# ---------------------------------------------------------------- the server's side: client actors
 _idle: list[tuple[tuple, Any]] = []  # (what the actor reserves: (cpus, gpus), handle)
-_names: set = set()  # the actor names this driver process has given
+_names: set = set()  # the actor names this server process has given
 
 
 def actor_name(i: int, run: str) -> str:

@@ -1,9 +1,9 @@
-"""The named driver actor, `raysim-server`, as the CLI sees it.
+"""The named server actor, `raysim-server`, as the CLI sees it.
 
 A thin shell: the actor process imports `raysim.runtime.server` when it starts, `setup`
-makes a new `FederatedServer` for each run (a finished run's driver serves the next run of
+makes a new `FederatedServer` for each run (a finished run's server serves the next run of
 the session: runtime/pool.py), and every other call is handed to it. The CLI sends the
-config layers (plain dicts), which the driver resolves again in its own process.
+config layers (plain dicts), which the server resolves again in its own process.
 """
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import traceback
 
 import ray
 
-from raysim.errors import ConfigError
-from raysim.errors import RunDiverged
+from raysim.errors import ConfigError, RunDiverged
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
-class ServerDriver:
+class ServerActor:
     def __init__(self):
         import raysim.runtime.server  # noqa: F401  (torch and the rest, while the caller waits anyway)
 
