@@ -26,7 +26,7 @@ from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import pool
 from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.training import seed_for
+from raysim.training import new_client
 
 
 class DataNotAttached(RuntimeError):
@@ -120,15 +120,8 @@ class ClientActor:
         if (rnd, cid) == self.crash:
             os._exit(1)  # injected fault: this worker process dies mid-round
         idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
-        seed = seed_for(self.seed, rnd, cid)
-        torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        return Client(
-            cid=cid, round=rnd, cfg=self.cfg, x=model_inputs(self.x[idx], *self.pixels), y=self.y[idx],
-            num_classes=self.num_classes, device=self.device, generator=torch.Generator().manual_seed(seed),
-            state=unpack(state) if state else {}, model=self.model, epochs=n_epochs, transform=self.transform,
-        )
+        return new_client(self.cfg, rnd, cid, model_inputs(self.x[idx], *self.pixels), self.y[idx], self.num_classes,
+                          unpack(state) if state else {}, self.model, n_epochs, self.transform, self.seed)
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
