@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.creff import Retrained
 from raysim.algorithms.fedavg import FedAvg
 from raysim.options import Options, option

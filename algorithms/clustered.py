@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.errors import ConfigError
 from raysim.options import Options, option

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS

@@ -72,7 +72,7 @@ from typing import Iterator
 import torch
 from omegaconf import OmegaConf
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.errors import ConfigError
 from raysim.options import Options, option

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from raysim.algorithm import Algorithm, Client, ClientResult, Server
+from raysim.contract import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, base_sample_loss, cpu_state, local_sgd
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from raysim.algorithm import Algorithm, Client, ClientResult, Server
+from raysim.contract import Algorithm, Client, ClientResult, Server
 from raysim.errors import ConfigError
 from raysim.options import Options, option
 from raysim.models import EncoderHead

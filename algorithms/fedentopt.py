@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raysim.algorithm import Client, ClientResult, Selection
+from raysim.contract import Client, ClientResult, Selection
 from raysim.data.partition import label_entropy
 from raysim.options import Options, option
 from raysim.registry import SELECTIONS

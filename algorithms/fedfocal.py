@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.algorithms.fedavg import FedAvg
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS

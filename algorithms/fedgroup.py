@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raysim.algorithm import Client, Server
+from raysim.contract import Client, Server
 from raysim.algorithms.clustered import GroupModels, GroupsOptions, flat
 from raysim.algorithms.fedprox import proximal_loss
 from raysim.errors import ConfigError

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, effective_steps, local_sgd, parameter_names
 

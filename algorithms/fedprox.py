@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import base_loss, cross_entropy

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim.algorithm import Client, Server
+from raysim.contract import Client, Server
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.algorithms.clustered import ClientPicksGroup, flat
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state

@@ -11,7 +11,7 @@ with different seeds). Shared machinery: clustered.py.
 """
 from __future__ import annotations
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.algorithms.clustered import ClientPicksGroup
 from raysim.registry import ALGORITHMS
 from raysim.training import evaluate

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.models import EncoderHead
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS

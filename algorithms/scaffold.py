@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from raysim.algorithm import Client, ClientResult, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, base_sample_loss, cpu_state, effective_steps, local_sgd, round_lr

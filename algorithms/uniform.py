@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raysim.algorithm import Selection
+from raysim.contract import Selection
 from raysim.registry import SELECTIONS
 
 

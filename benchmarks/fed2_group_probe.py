@@ -24,7 +24,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from raysim.analysis import load_run_model
+from raysim.results.analysis import load_run_model
 
 
 def probe(run: Path, files: list[Path]) -> None:

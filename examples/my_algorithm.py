@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.algorithm import Algorithm, ClientResult
+from raysim.contract import Algorithm, ClientResult
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import WeightedMean, cpu_state, local_sgd, parameter_names

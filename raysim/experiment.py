@@ -39,7 +39,7 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                                    users_train=None if data.users_train is None else data.users_train[keep])
     own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
     part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
-    from raysim.algorithm import Algorithm
+    from raysim.contract import Algorithm
     from raysim.registry import ALGORITHMS, MODELS
 
     algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, n_classes, data.input_shape)  # it may change the network (Fed2)

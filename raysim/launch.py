@@ -142,7 +142,7 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
 
 
 def start_ray(ray_cfg, say: Say = quiet, command: bool = False) -> bool:
-    """Connect to `ray.address`, or start a local Ray (and `raysim.reaper`, which stops it if
+    """Connect to `ray.address`, or start a local Ray (and `raysim.runtime.reaper`, which stops it if
     this process is killed outright). Returns True if we started it. `command`: the caller
     is a command-line process, which Ctrl-C may end inside `ray.init` (`interruptible`);
     not so for `raysim.simulate`, whose process may be a notebook's kernel."""
@@ -178,7 +178,7 @@ def start_ray(ray_cfg, say: Say = quiet, command: bool = False) -> bool:
                               "machine was too loaded: retry") from None
     import subprocess
 
-    subprocess.Popen([sys.executable, "-m", "raysim.reaper", str(os.getpid())], start_new_session=True,
+    subprocess.Popen([sys.executable, "-m", "raysim.runtime.reaper", str(os.getpid())], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if ray_cfg.dashboard:
         say(f"Ray's dashboard: http://{ctx.dashboard_url} (it asks for a token only when Ray runs with "

@@ -72,7 +72,7 @@ def _local(args, say) -> int:
         from raysim.experiment import prepare
 
         if args.plot is not None:
-            from raysim.results.plots import check_path
+            from raysim.results.figures import check_path
 
             check_path(args.plot)
         data, part, n_classes = prepare(cfg)
@@ -80,7 +80,7 @@ def _local(args, say) -> int:
         if args.plot is not None:
             from raysim.data.partition import label_counts
             from raysim.experiment import describe_partition
-            from raysim.results.plots import partition_figure
+            from raysim.results.figures import partition_figure
 
             partition_figure(label_counts(data.y_train, part, n_classes), args.plot,
                              f"{cfg.dataset}: {describe_partition(cfg)}, {len(part.train)} clients")

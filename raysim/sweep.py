@@ -16,8 +16,8 @@ A grid value that is a mapping is a set of overrides taken together, for axes wh
 are not one key (`variant: [{algorithm: fed2}, {algorithm: fedavg, model_options.norm: group}]`).
 
 Every point is a normal run directory inside the sweep directory (named by its grid
-values), written by the same code as `python -m raysim.run`; `python -m raysim.table` and
-`python -m raysim.plot` read them. Every point's config is checked before the first one
+values), written by the same code as `python -m raysim.run`; `python -m raysim.results.table` and
+`python -m raysim.results.plot` read them. Every point's config is checked before the first one
 starts. The points run as Ray Tune trials, on the local Ray or the cluster of
 `ray.address`: several at once when `resources.num_actors` is set and the cluster's CPUs
 hold that many actors per point more than once, else one after another. Rerunning a sweep
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # before Tune took over (planning, starting Ray)
         print("sweep interrupted before its first point ran; rerun the same command", file=sys.stderr)
         return 130
-    print(f"results: {sweep_dir}  (python -m raysim.table {sweep_dir})")
+    print(f"results: {sweep_dir}  (python -m raysim.results.table {sweep_dir})")
     return 0
 
 

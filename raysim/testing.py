@@ -7,7 +7,7 @@
 
 or `InProcessServer.from_config(cfg)` for the config's own dataset and partition.
 
-It implements the calls a run's server offers (`raysim.algorithm.Server`) the way a run
+It implements the calls a run's server offers (`raysim.contract.Server`) the way a run
 does: clients run one after another in this process, each built as a client actor builds
 it (`training.new_client`: seeded from (seed, round, client id)), on separate instances of
 the algorithm and selection (the client half sees nothing of the server's state but the
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.config import clients_per_round
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

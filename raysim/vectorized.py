@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.training import round_lr
 
 SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample

@@ -5,7 +5,7 @@ import torch
 from raysim.algorithms.fedavg import FedAvg
 from raysim.algorithms.fedavgm import FedAvgM
 from raysim.algorithms.fedprox import FedProx, proximal_loss
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.config import load_config
 from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd
 

@@ -12,7 +12,7 @@ from raysim.algorithms.fednova import FedNova
 from raysim.algorithms.fedrs import FedRS, logit_scale
 from raysim.algorithms.moon import Moon, contrastive_loss, with_projection
 from raysim.algorithms.scaffold import Scaffold
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.config import load_config
 from raysim.models import build_model
 from raysim.training import cpu_state, effective_steps

@@ -6,7 +6,7 @@ import pytest
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from raysim.algorithm import Client, ClientResult
+from raysim.contract import Client, ClientResult
 from raysim.algorithms.clustered import flat
 from raysim.algorithms.fedgroup import FedGroup, cosine_dissimilarity, edc_labels, madc, madc_labels
 from raysim.algorithms.fesem import FeSEM

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.algorithms.creff import CReFF, class_gradients, linear_ce_gradients, matching_loss
 from raysim.config import load_config
 from raysim.models import build_model

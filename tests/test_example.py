@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.config import load_config
 from raysim.testing import InProcessServer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.algorithms.fed2 import Fed2
 from raysim.config import load_config
 from raysim.models import build_model
@@ -159,7 +159,7 @@ def test_absent_freeze_leaves_the_feature_groups_of_classes_the_client_lacks_as_
     """fed2.absent=freeze: a client holding classes 0-3 (groups 0 and 1 of 5) trains the shared
     layers, groups 0-1 and every classifier head; the feature rows of groups 2-4 come back
     exactly as sent (weight decay on, so a zeroed gradient alone would not keep them)."""
-    from raysim.algorithm import Client
+    from raysim.contract import Client
 
     algo, before = fed2_after_setup("fed2.absent=freeze", "fed2.norm=batch", "local.weight_decay=0.01",
                                     "local.batch_size=8")
@@ -251,7 +251,7 @@ def test_moon_builds_its_projection_network_through_the_same_hook():
 
 
 def test_the_analysis_tool_writes_a_table_and_picture_and_sees_the_grouped_layers_aligned(ray_local, tmp_path):
-    from raysim.analysis import main as analyse
+    from raysim.results.analysis import main as analyse
 
     assert main([*COMMON, "rounds=2", f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
     assert analyse([str(tmp_path / "r"), "--per-class", "20"]) == 0
@@ -271,7 +271,7 @@ def test_the_analysis_tool_writes_a_table_and_picture_and_sees_the_grouped_layer
 
 
 def test_the_analysis_tool_names_a_folder_that_is_not_a_run(tmp_path, capsys):
-    from raysim.analysis import main as analyse
+    from raysim.results.analysis import main as analyse
 
     assert analyse([str(tmp_path)]) == 2
     assert "config.yaml not found" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def test_inferred_distribution_of_a_two_class_model_puts_its_mass_on_them():
     keep = np.isin(d.target, [3, 7])
     x = torch.from_numpy(((d.images[keep] / 16.0 - 0.5) / 0.5).astype(np.float32))[:, None]
     y = torch.from_numpy(d.target[keep].astype(np.int64))
-    from raysim.algorithm import Client
+    from raysim.contract import Client
     from raysim.config import load_config
 
     cfg = load_config(overrides=["local.epochs=5", "local.lr=0.05"])
@@ -148,7 +148,7 @@ class ClassifierStageServer:
         return [0, 1]
 
     def run_clients(self, rnd, cids, payload, method="client_update"):
-        from raysim.algorithm import ClientResult
+        from raysim.contract import ClientResult
 
         for c in cids:
             yield ClientResult(c, self.sizes[c], self.heads[c], {"loss": 0.0})

@@ -96,7 +96,7 @@ def test_fedfocal_and_fedavg_taunorm_run_and_eval_tau_norm_applies_to_any_algori
 def test_local_focal_gamma_swaps_the_plain_loss_of_any_algorithm_that_trains_on_it():
     import torch
 
-    from raysim.algorithm import Client
+    from raysim.contract import Client
     from raysim.algorithms.fedprox import FedProx
     from raysim.models import build_model
     from raysim.training import focal_loss

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raysim.algorithms.fedentopt import FedEntOpt, KLSelection, greedy_max_entropy, noisy_counts
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.config import ConfigError, load_config
 from raysim.data.partition import label_entropy
 

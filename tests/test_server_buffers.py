@@ -5,7 +5,7 @@ BatchNorm, two clients of very different sizes, four rounds through each algorit
 import pytest
 import torch
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.config import load_config
 from raysim.registry import ALGORITHMS
 from raysim.training import parameter_names

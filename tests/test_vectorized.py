@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.config import load_config
 from raysim.models import build_model
 from raysim.registry import ALGORITHMS

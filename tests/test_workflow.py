@@ -46,7 +46,7 @@ def test_the_table_cells_are_the_mean_and_std_of_the_runs_summaries(four_runs, c
     import json
     import statistics
 
-    from raysim.table import main as table
+    from raysim.results.table import main as table
 
     assert table([str(four_runs), "--cols", "algorithm", "--rows", "dataset", "--format", "csv"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -61,7 +61,7 @@ def test_the_table_cells_are_the_mean_and_std_of_the_runs_summaries(four_runs, c
 
 
 def test_a_table_over_an_unknown_key_or_metric_says_which(four_runs, capfd):
-    from raysim.table import main as table
+    from raysim.results.table import main as table
 
     assert table([str(four_runs), "--rows", "partition.betta"]) == 2
     assert "'partition.betta' is not a config key of these runs; did you mean partition.beta" in capfd.readouterr().err
@@ -70,7 +70,7 @@ def test_a_table_over_an_unknown_key_or_metric_says_which(four_runs, capfd):
 
 
 def test_plots_are_valid_png_and_svg_with_one_line_per_algorithm(four_runs, tmp_path):
-    from raysim.plot import main as plot, series
+    from raysim.results.plot import main as plot, series
 
     lines = series([four_runs], "accuracy", "round")
     assert sorted(s["label"] for s in lines) == ["algorithm=fedavg (2 seeds)", "algorithm=fedprox (2 seeds)"]
@@ -96,7 +96,7 @@ def test_a_sweep_interrupted_after_its_first_point_skips_it_when_rerun(tmp_path)
     import sys
     import time
 
-    from raysim.table import main as table
+    from raysim.results.table import main as table
 
     args = [sys.executable, "-m", "raysim.sweep", *SWEEP, "--output-dir", str(tmp_path), "--name", "s"]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
@@ -202,7 +202,7 @@ def test_equal_communication_and_several_metrics_in_one_table(four_runs, capsys)
     import statistics
 
     from raysim.results.runs import find_runs
-    from raysim.table import main as table
+    from raysim.results.table import main as table
 
     run = find_runs([four_runs / "fedavg-0"])[0]
     mib = [(r["bytes_down"] + r["bytes_up"]) / 2**20 for r in run.rows]
@@ -246,7 +246,7 @@ def test_a_table_row_shows_only_the_sections_its_run_reads(four_runs, capsys):
     """FedAvg's config carries fedprox.* defaults it never reads: its row says '-' there, and
     the key does not count as differing between FedAvg and FedProx."""
     from raysim.results.runs import differing_keys, find_runs
-    from raysim.table import main as table
+    from raysim.results.table import main as table
 
     runs = find_runs([four_runs])
     assert "fedprox.mu" not in differing_keys(runs)

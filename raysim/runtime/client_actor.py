@@ -18,7 +18,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from raysim.algorithm import Client
+from raysim.contract import Client
 from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import ray
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.runtime import placement, pool
 from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack

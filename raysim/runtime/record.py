@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.config import to_yaml
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint

@@ -26,7 +26,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from raysim.algorithm import ClientResult
+from raysim.contract import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record
 from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy

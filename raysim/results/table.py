@@ -1,4 +1,4 @@
-"""`python -m raysim.table PATH...`: a paper-style table of finished runs.
+"""`python -m raysim.results.table PATH...`: a paper-style table of finished runs.
 
 PATH: run directories or folders holding them (a sweep directory). Rows and columns are
 config keys (`--rows dataset,partition.name --cols algorithm`, the papers' layout); runs
@@ -13,7 +13,7 @@ not); `last10(accuracy@1174MiB)` limits a function to the curve within the budge
 runs diverged (their curves end early). `--format`: markdown (default), csv, latex; `--out
 FILE` writes it there too.
 
-    python -m raysim.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
+    python -m raysim.results.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def render(rows, cols, cells, fmt: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raysim.table", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m raysim.results.table", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="run directories or folders holding them")
     p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "

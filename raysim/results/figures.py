@@ -1,5 +1,5 @@
 """Pictures: a partition's per-client label counts (`--show-partition --plot FILE`) and
-metric curves of several runs (`python -m raysim.plot`). PNG or SVG by the file's suffix."""
+metric curves of several runs (`python -m raysim.results.plot`). PNG or SVG by the file's suffix."""
 from __future__ import annotations
 
 from pathlib import Path

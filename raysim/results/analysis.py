@@ -1,4 +1,4 @@
-"""`python -m raysim.analysis RUN_DIR`: what each neuron of a trained model has learned to
+"""`python -m raysim.results.analysis RUN_DIR`: what each neuron of a trained model has learned to
 prefer, and how much the neurons of each layer disagree (Fed2, Sec. 3.1 and Eq. 17).
 
 For every convolution and fully connected layer of the encoder (a neuron = one output
@@ -186,7 +186,7 @@ def analyse(run_dir: Path, overrides: list[str], out: Path, per_class: int, conf
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raysim.analysis", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m raysim.results.analysis", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("overrides", nargs="*", help="config overrides for the data, e.g. data_dir=...")

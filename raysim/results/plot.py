@@ -1,4 +1,4 @@
-"""`python -m raysim.plot PATH...`: curves of a per-round metric for several runs, one
+"""`python -m raysim.results.plot PATH...`: curves of a per-round metric for several runs, one
 figure per x axis.
 
 PATH: run directories or folders holding them (a sweep directory). Runs that differ only
@@ -9,7 +9,7 @@ any column of metrics.parquet (`accuracy`, default; `loss`, `train_loss`,
 `seconds` (wall time since the first round started); several give several files.
 Writes OUT_round.png etc. (`--out`, default ./plot; `--format png` or `svg`).
 
-    python -m raysim.plot runs/sweeps/fedavg-vs-fedprox --x round bytes seconds
+    python -m raysim.results.plot runs/sweeps/fedavg-vs-fedprox --x round bytes seconds
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def series(paths: list, metric: str, axis: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from raysim.results.plots import curves_figure
+    from raysim.results.figures import curves_figure
 
-    p = argparse.ArgumentParser(prog="python -m raysim.plot", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m raysim.results.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="run directories or folders holding them")
     p.add_argument("--metric", default="accuracy")

@@ -1,4 +1,4 @@
-"""`python -m raysim.reaper PID`: stop the local Ray of a process that was killed outright.
+"""`python -m raysim.runtime.reaper PID`: stop the local Ray of a process that was killed outright.
 
 A local Ray started by `ray.init` dies with its process on a clean exit (`ray.shutdown`)
 and on Ctrl-C or SIGTERM, but after SIGKILL (or an OOM kill) Ray's raylet goes and its
