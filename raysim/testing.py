@@ -147,3 +147,14 @@ class InProcessServer:
         """`setup`, then rounds 1..`rounds` (default: the config's); the metrics of each."""
         self.setup()
         return [self.round(r) for r in range(1, int(rounds or self.cfg.rounds) + 1)]
+
+
+def set_up(cfg, model: Optional[Callable[[], torch.nn.Module]] = None, input_shape: tuple = (2,),
+           num_classes: int = 2):
+    """`cfg.algorithm` after its `setup` by an `InProcessServer` whose `cfg.num_clients`
+    clients hold one blank sample of `input_shape` each: for tests that feed `aggregate`
+    hand-made results and check the numbers (`model`: the network, e.g. hand-set weights)."""
+    blank = [(torch.zeros(1, *input_shape), torch.zeros(1, dtype=torch.long))] * int(cfg.num_clients)
+    server = InProcessServer(cfg, blank, num_classes, model=model)
+    server.setup()
+    return server.algorithm

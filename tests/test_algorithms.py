@@ -7,18 +7,17 @@ from raysim.algorithms.fedavgm import FedAvgM
 from raysim.algorithms.fedprox import FedProx, proximal_loss
 from raysim.contract import Client, ClientResult
 from raysim.config import load_config
+from raysim.testing import set_up
 from raysim.training import WeightedMean, cpu_state, cross_entropy, local_sgd
 
 
-class LinearServer:
-    """Just enough of the Server API for setup(): a fixed 2 -> 1 linear model."""
-
-    def new_model(self):
-        m = torch.nn.Linear(2, 1)
-        with torch.no_grad():
-            m.weight.copy_(torch.tensor([[1.0, 2.0]]))
-            m.bias.fill_(0.5)
-        return m
+def linear():
+    """A fixed 2 -> 1 linear model."""
+    m = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        m.bias.fill_(0.5)
+    return m
 
 
 def results(*pairs):
@@ -27,16 +26,14 @@ def results(*pairs):
 
 
 def test_fedavg_is_the_sample_weighted_mean():
-    algo = FedAvg(load_config(), 1, (2,))
-    algo.setup(LinearServer())
+    algo = set_up(load_config(), linear, num_classes=1)
     algo.aggregate(1, results((10, [1.0, 0.0], 1.0), (30, [5.0, 4.0], -1.0)))
     assert torch.allclose(algo.model.weight, torch.tensor([[4.0, 3.0]]))  # (10*1 + 30*5)/40, (0 + 30*4)/40
     assert torch.allclose(algo.model.bias, torch.tensor([-0.5]))  # (10 - 30)/40
 
 
 def test_fedavg_keeps_the_model_when_every_client_dropped():
-    algo = FedAvg(load_config(), 1, (2,))
-    algo.setup(LinearServer())
+    algo = set_up(load_config(), linear, num_classes=1)
     before = cpu_state(algo.model)
     algo.aggregate(1, iter([]))
     assert all(torch.equal(before[k], v) for k, v in algo.model.state_dict().items())
@@ -52,8 +49,8 @@ def test_weighted_mean_integer_buffers_take_the_max():
 
 def test_fedavgm_server_momentum():
     cfg = load_config(overrides=["algorithm=fedavgm", "fedavgm.beta=0.5", "fedavgm.server_lr=1.0"])
-    algo = FedAvgM(cfg, 1, (2,))
-    algo.setup(LinearServer())
+    algo = set_up(cfg, linear, num_classes=1)
+    assert isinstance(algo, FedAvgM)
     # round 1: average w = [0, 0]; delta = [1, 2]; v = delta; w = [1,2] - [1,2] = [0, 0]
     algo.aggregate(1, results((1, [0.0, 0.0], 0.5)))
     assert torch.allclose(algo.model.weight, torch.tensor([[0.0, 0.0]]))

@@ -15,6 +15,7 @@ from raysim.algorithms.scaffold import Scaffold
 from raysim.contract import Client, ClientResult
 from raysim.config import load_config
 from raysim.models import build_model
+from raysim.testing import set_up
 from raysim.training import cpu_state, effective_steps
 
 PLAIN = ["local.momentum=0", "local.weight_decay=0", "local.lr=0.1"]
@@ -95,15 +96,13 @@ def test_scaffold_counts_momentum_steps_as_effective_steps():
     assert math.isclose(effective_steps(1, 0.9), 1.0)
 
 
-class FixedServer:
-    num_clients = 4
-
-    def new_model(self):
-        m = torch.nn.Linear(1, 1)
-        with torch.no_grad():
-            m.weight.fill_(1.0)
-            m.bias.fill_(0.0)
-        return m
+def fixed():
+    """A 1 -> 1 linear model with weight 1 and bias 0."""
+    m = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+        m.bias.fill_(0.0)
+    return m
 
 
 def scaffold_results():
@@ -115,9 +114,8 @@ def scaffold_results():
 
 
 def test_scaffold_server_averages_dy_by_samples_and_adds_sum_dc_over_n():
-    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.weighting=samples"])
-    algo = Scaffold(cfg, 1, (1,))
-    algo.setup(FixedServer())
+    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.weighting=samples", "num_clients=4"])
+    algo = set_up(cfg, fixed, (1,), 1)
     algo.c = {"weight": torch.tensor([[1.0]]), "bias": torch.tensor([0.0])}
     t = torch.tensor
     algo.aggregate(1, iter(scaffold_results()))
@@ -129,10 +127,9 @@ def test_scaffold_server_averages_dy_by_samples_and_adds_sum_dc_over_n():
 
 def test_scaffold_server_default_is_the_papers_uniform_mean():
     """Paper: x += server_lr * (1/|S|) sum dy_i, whatever the clients' sizes; c as before."""
-    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.server_lr=0.5"])
+    cfg = load_config(overrides=["algorithm=scaffold", "scaffold.server_lr=0.5", "num_clients=4"])
     assert cfg.scaffold.weighting == "uniform"
-    algo = Scaffold(cfg, 1, (1,))
-    algo.setup(FixedServer())
+    algo = set_up(cfg, fixed, (1,), 1)
     algo.c = {"weight": torch.tensor([[1.0]]), "bias": torch.tensor([0.0])}
     t = torch.tensor
     algo.aggregate(1, iter(scaffold_results()))
@@ -144,8 +141,7 @@ def test_scaffold_server_default_is_the_papers_uniform_mean():
 # --------------------------------------------------------------------------- FedNova
 def test_fednova_aggregate_with_unequal_local_steps():
     """x - tau_eff * sum p_i d_i, tau_eff = sum p_i a_i."""
-    algo = FedNova(load_config(overrides=["algorithm=fednova"]), 1, (1,))
-    algo.setup(FixedServer())
+    algo = set_up(load_config(overrides=["algorithm=fednova"]), fixed, (1,), 1)
     t = torch.tensor
     # client 0: 10 samples, 2 steps, d = [1]; client 1: 30 samples, 6 steps, d = [-1]
     res = [ClientResult(0, 10, {"d": {"weight": t([[1.0]]), "bias": t([2.0])}, "buffers": {}, "a": 2.0}, {"loss": 0.0}),
@@ -174,9 +170,7 @@ def test_fednova_client_normalises_by_its_steps_and_equals_fedavg_when_steps_are
     # two clients with the same a: FedNova's aggregate is FedAvg's
     t = torch.tensor
     ys = [(10, t([[3.0]]), t([1.0])), (30, t([[-1.0]]), t([2.0]))]
-    nova, avg = FedNova(cfg, 1, (1,)), FedAvg(cfg, 1, (1,))
-    nova.setup(FixedServer())
-    avg.setup(FixedServer())
+    nova, avg = set_up(cfg, fixed, (1,), 1), set_up(load_config(overrides=["algorithm=fedavg"]), fixed, (1,), 1)
     a = 3.0
     nova.aggregate(1, iter([ClientResult(i, n, {"d": {"weight": (1.0 - w) / a, "bias": (0.0 - b) / a}, "buffers": {}, "a": a},
                                          {"loss": 0.0}) for i, (n, w, b) in enumerate(ys)]))
@@ -294,12 +288,7 @@ def test_fedrs_local_logits_are_scaled_and_have_no_bias_by_default():
     with_bias = load_config(overrides=["algorithm=fedrs", "fedrs.alpha=0.2", "fedrs.bias=true", "fedrs.scaling=binary"])
     loss_b = FedRS(with_bias, 3, (2,)).local_loss(client, {})(model, x, y)
     assert torch.isclose(loss_b, F.cross_entropy(torch.tensor([[7.0, 8.0 * 0.2, 10.0]]), y))
-    algo = FedRS(cfg, 3, (2,))
-
-    class S:
-        def new_model(self):
-            return build_model("mclr", (2,), 3)
-    algo.setup(S())
+    algo = set_up(cfg, lambda: build_model("mclr", (2,), 3), (2,), 3)
     assert torch.equal(algo.model.head.bias, torch.zeros(3))  # the authors' classifier has no bias
 
 

@@ -12,6 +12,7 @@ from raysim.config import load_config
 from raysim.models import build_model
 from raysim.models.layered import class_groups
 from raysim.run import main
+from raysim.testing import set_up
 from raysim.training import GroupWeightedMean, cpu_state
 
 
@@ -82,21 +83,11 @@ def test_group_weighted_mean_is_the_hand_computed_mean_per_group_and_keeps_unhel
     assert int(out["count"]) == 5
 
 
-class Stub:
-    """The one Server call Fed2's setup makes: a seeded network from the algorithm."""
-
-    def __init__(self, algo):
-        self.algorithm = algo
-
-    def new_model(self):
-        torch.manual_seed(0)
-        return self.algorithm.build_model((1, 8, 8))
-
-
 def fed2_after_setup(*overrides):
     """Fed2 on 8x8 inputs and 10 classes with 5 groups, set up; its model's state before any round."""
-    algo = Fed2(load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", *overrides]), 10, (1, 8, 8))
-    algo.setup(Stub(algo))
+    cfg = load_config(overrides=["algorithm=fed2", "dataset=digits", "fed2.groups=5", "num_clients=2", *overrides])
+    algo = set_up(cfg, None, (1, 8, 8), 10)
+    assert isinstance(algo, Fed2)
     return algo, cpu_state(algo.model)
 
 

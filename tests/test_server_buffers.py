@@ -7,25 +7,11 @@ import torch
 
 from raysim.contract import Client
 from raysim.config import load_config
-from raysim.registry import ALGORITHMS
+from raysim.testing import set_up
 from raysim.training import parameter_names
 
 SHAPE, CLASSES = (3, 8, 8), 4
 SIZES = (29, 160)  # unequal sizes: unequal local steps, so FedNova's a_i differ
-
-
-class BNServer:
-    num_clients = 2
-    num_classes = CLASSES
-    input_shape = SHAPE
-    input_range = (-1.0, 1.0)
-
-    def __init__(self, algo):
-        self.algo = algo
-
-    def new_model(self):
-        torch.manual_seed(0)
-        return self.algo.build_model(SHAPE)  # the configured ResNet-8, or MOON's network on it
 
 
 def client_data():
@@ -38,8 +24,7 @@ def client_data():
 def test_buffers_take_the_plain_weighted_mean(name):
     cfg = load_config(overrides=[f"algorithm={name}", "model=resnet8", "local.epochs=1", "local.batch_size=16",
                                  "local.lr=0.05", "num_clients=2"])
-    algo = ALGORITHMS.get(name)(cfg, CLASSES, SHAPE)
-    algo.setup(BNServer(algo))
+    algo = set_up(cfg, None, SHAPE, CLASSES)  # the configured ResNet-8, or MOON's network on it
     global_model = next(iter(algo.eval_models().values()))
     params = parameter_names(global_model)
     buffer_keys = [k for k, v in global_model.state_dict().items() if k not in params and v.is_floating_point()]
