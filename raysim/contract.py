@@ -2,7 +2,7 @@
 
 An algorithm is one class with a server half and a client half:
 
-- server half (runs in the driver actor): `setup(server)` once, then `run_round(rnd,
+- server half (runs in the server actor): `setup(server)` once, then `run_round(rnd,
   server)` each round. The default `run_round` is the FedAvg shape:
   select -> `broadcast` -> `client_update` on each chosen client -> `aggregate`.
   An algorithm with stages, several models or extra uploads overrides `run_round` (or
@@ -64,7 +64,7 @@ class Client:
 
 
 class Server(Protocol):
-    """What the runtime offers an algorithm's server half (implemented by the driver)."""
+    """What the runtime offers an algorithm's server half (implemented by `FederatedServer` for a run, `raysim.testing.InProcessServer` in tests)."""
 
     cfg: DictConfig
     num_clients: int

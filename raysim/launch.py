@@ -6,7 +6,7 @@ the server actor, waits (bounded) for the client actors to be placed, steps the 
 returns the summary. Failures come back as exceptions whose message is a few lines:
 `ConfigError` (bad input, nothing written), `RunDiverged`, `RunFailed` (an exception in
 an algorithm's or a plugin's code; the full traceback is in the run's log.txt),
-`DriverDied` and `Interrupted` (both say how to resume).
+`ServerDied` and `Interrupted` (both say how to resume).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def quiet(line: str) -> None:
     pass
 
 
-class DriverDied(Exception):
+class ServerDied(Exception):
     """The server actor's process died mid-run (killed, out of memory)."""
 
 
@@ -364,7 +364,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     except ray.exceptions.ActorDiedError as e:
         if run_dir is None:
             raise
-        raise DriverDied(f"the server process died in the run's middle ({first_line(e)[:120]}); "
+        raise ServerDied(f"the server process died in the run's middle ({first_line(e)[:120]}); "
                          f"`python -m raysim.run resume={run_dir}` continues it from its last checkpoint") from None
     except ray.exceptions.RayTaskError as e:
         flush(server)

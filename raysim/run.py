@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
-from raysim.launch import DriverDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
+from raysim.launch import ServerDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,13 +140,13 @@ def _main(args, say, t_start: float) -> int:
         signal.signal(signal.SIGINT, _terminate)
     try:
         summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
-    except ConfigError as e:  # raised by the driver while checking the data, before anything is written
+    except ConfigError as e:  # raised by the server while checking the data, before anything is written
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunDiverged as e:  # the loss or the model turned non-finite: the rounds before are kept
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (DriverDied, RunFailed, WriteFailed) as e:
+    except (ServerDied, RunFailed, WriteFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:

@@ -19,10 +19,9 @@ import my_algorithm  # noqa: E402  (registers server_step)
 
 
 def linear():
+    """A 2 -> 1 linear model with weight [0, 4] and bias 1."""
     m = torch.nn.Linear(2, 1)
-    with torch.no_grad():
-        m.weight.copy_(torch.tensor([[1.0, 2.0]]))
-        m.bias.fill_(0.5)
+    m.load_state_dict({"weight": torch.tensor([[0.0, 4.0]]), "bias": torch.tensor([1.0])})
     return m
 
 
@@ -39,8 +38,8 @@ def test_the_server_moves_eta_of_the_way_to_the_sample_weighted_mean():
     results = [ClientResult(0, 10, {"weight": torch.tensor([[1.0, 0.0]]), "bias": torch.tensor([1.0])}, {"loss": 1.0}),
                ClientResult(1, 30, {"weight": torch.tensor([[5.0, 4.0]]), "bias": torch.tensor([-1.0])}, {"loss": 3.0})]
     out = algo.aggregate(1, iter(results))
-    # mean: weight [4, 3], bias -0.5; halfway from [1, 2], 0.5
-    assert torch.allclose(algo.model.weight, torch.tensor([[2.5, 2.5]])) and torch.allclose(algo.model.bias, torch.tensor([0.0]))
+    # mean: weight [4, 3], bias -0.5; halfway from [0, 4], 1
+    assert torch.allclose(algo.model.weight, torch.tensor([[2.0, 3.5]])) and torch.allclose(algo.model.bias, torch.tensor([0.25]))
     assert out["train_loss"] == (10 * 1.0 + 30 * 3.0) / 40
 
 

@@ -69,7 +69,7 @@ def _merge(cfg: DictConfig, data: dict, source: str) -> DictConfig:
 
 def read_layers(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> Layers:
     """Read default.yaml, the config groups of the chosen names, the given files and the
-    overrides into plain dicts, without the schema: the form the CLI sends to the driver,
+    overrides into plain dicts, without the schema: the form the CLI sends to the server,
     which resolves them (`resolve`). With `resume=RUN_DIR` the run's own config.yaml is the
     only file (see `resume_layers`)."""
     over = parse_overrides(overrides)

@@ -1,7 +1,7 @@
 """Run checkpoints: `<run dir>/checkpoint.pt`, what `resume=<run dir>` continues from.
 
 A checkpoint holds the algorithm's and the selection's server state, every client's state,
-the driver's torch RNG state and the run's counters; the metrics so far are the run dir's
+the server's torch RNG state and the run's counters; the metrics so far are the run dir's
 parquet files, flushed just before. All other randomness in raysim is a pure function of
 (seed, round, client id, stream), so nothing more is needed for a resumed run to end with
 the same model as an uninterrupted one. Files are replaced atomically: a run killed while

@@ -1,9 +1,9 @@
 """Client actors: long-lived workers that run the client half of an algorithm for many
 simulated clients.
 
-An actor starts while the driver is still loading the data, then maps the dataset arrays
+An actor starts while the server is still loading the data, then maps the dataset arrays
 from the object store on its first call (zero-copy on the node; moved to its GPU once when
-it has one) and slices a client's shard from them when that client runs. Per-client state travels as an object-store reference owned by the driver, so any
+it has one) and slices a client's shard from them when that client runs. Per-client state travels as an object-store reference owned by the server, so any
 actor can run any client and the state outlives the actor that wrote it.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class DataNotAttached(RuntimeError):
 
 class ClientActor:
     def __init__(self):
-        """Starts before the data exists (the driver loads it meanwhile): imports torch and
+        """Starts before the data exists (the server loads it meanwhile): imports torch and
         warms it up. Everything of a run (config, plugins, data) comes with the run's first
         call, so the actor can serve later runs too (runtime/pool.py) and Ray can restart it."""
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
@@ -103,7 +103,7 @@ class ClientActor:
             for client, result, old in zip(part, done, before):
                 result.metrics.setdefault("seconds", seconds)
                 if stateful:
-                    # a state the call did not touch is not sent back: the driver keeps its reference
+                    # a state the call did not touch is not sent back: the server keeps its reference
                     # (big cached state, e.g. FedConcat's features, is not copied every round)
                     result.state_changed = (client.state.keys() != old.keys()
                                             or any(client.state[k] is not v for k, v in old.items()))
@@ -144,7 +144,7 @@ def _split(items: list, sizes: Optional[list[int]]) -> list[list]:
 
 def _warm_up(device: torch.device) -> None:
     """Throw-away forward/backward passes: torch's first ones cost ~1 s of lazy set-up,
-    which belongs in actor start-up (overlapping the driver's data loading), not round 1."""
+    which belongs in actor start-up (overlapping the server's data loading), not round 1."""
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 2)).to(device)
     out = net(torch.zeros(2, 1, 4, 4, device=device))
     torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()

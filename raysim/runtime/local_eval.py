@@ -9,7 +9,7 @@ FedGroup a client's group model, IFCA the model it picked); by default the first
 and its spread over clients (mean, 10th percentile, worst); per client, a row in the clients
 table (method `evaluate`).
 
-Where: one central pass in the driver, which holds the arrays already (it loaded the data),
+Where: one central pass in the server, which holds the arrays already (it loaded the data),
 over the concatenated test splits of the clients each model serves: one batched forward
 pass per model instead of a Ray task per client (a client's split is tens of samples; a
 task costs ~1 ms of dispatch and the model's broadcast).

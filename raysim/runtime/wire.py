@@ -1,4 +1,4 @@
-"""Cheap transport of tensors between driver and actors.
+"""Cheap transport of tensors between the server and the actors.
 
 Ray pickles a torch tensor through its storage (about 75 us for a small state dict) but
 ships a numpy array as an out-of-band buffer (about 17 us, and zero-copy from the object
