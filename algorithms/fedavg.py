@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Optional
 
 from raysim.contract import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, base_sample_loss, cpu_state, local_sgd
+from raysim.training import WeightedMean, base_loss, base_sample_loss, cpu_state, local_sgd
 
 
 @ALGORITHMS.register("fedavg")
@@ -37,7 +37,11 @@ class FedAvg(Algorithm):
         return {"global": self.model}
 
     # ---- client ----
-    trains_on_base_loss = True  # `local_loss` is Algorithm's base loss (so local.focal_gamma applies)
+    trains_on_base_loss = True  # training.base_loss (so local.focal_gamma applies); False: its own loss
+
+    def local_loss(self, client: Client, payload: dict):
+        """The loss local SGD minimises; FedProx, FedLC, FedRS, ... override this."""
+        return base_loss(client.cfg.local)
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         model = client.model

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from raysim.contract import Algorithm, ClientResult
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, local_sgd, parameter_names
+from raysim.training import WeightedMean, base_loss, cpu_state, local_sgd, parameter_names
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ServerStepOptions(Options):
 @ALGORITHMS.register("server_step")
 class ServerStep(Algorithm):
     Options = ServerStepOptions  # the config section `server_step`, checked by the dataclass
-    trains_on_base_loss = True  # local SGD on Algorithm.local_loss, so local.focal_gamma applies
+    trains_on_base_loss = True  # local SGD on training.base_loss, so local.focal_gamma applies
 
     # ---- server half: runs in the server actor ----
     def setup(self, server):
@@ -60,5 +60,5 @@ class ServerStep(Algorithm):
     def client_update(self, client, payload):
         model = client.model
         model.load_state_dict(payload["weights"])
-        stats = local_sgd(client, model, self.local_loss(client, payload))
+        stats = local_sgd(client, model, base_loss(client.cfg.local))  # cross-entropy (or focal)
         return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)

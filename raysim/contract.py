@@ -173,11 +173,10 @@ class Algorithm:
 
     def local_loss(self, client: Client, payload: Any) -> Callable:
         """The loss `loss(model, x, y)` that local SGD minimises, for client updates built
-        on `training.local_sgd` (FedAvg's). Default: `training.base_loss`; FedProx adds its
-        proximal term, FedLC / FedRS / FedFocal replace it."""
-        from raysim.training import base_loss
-
-        return base_loss(client.cfg.local)
+        on `training.local_sgd`. FedAvg's is `training.base_loss` (cross-entropy, or focal
+        with `local.focal_gamma`); FedProx adds its proximal term, FedLC / FedRS / FedFocal
+        replace it. Not needed by an algorithm whose `client_update` builds its own."""
+        raise NotImplementedError
 
     def client_update_cohort(self, clients: list[Client], payload: Any) -> list[ClientResult]:
         """`client_update` of a group of clients as one batched program (`local.vectorize`,

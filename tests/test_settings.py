@@ -141,6 +141,27 @@ def test_the_top_level_algorithms_and_configs_folders_are_the_packages_from_any_
     assert r.returncode == 0 and "  epochs: 10\n" in r.stdout, r.stderr
 
 
+def test_a_second_checkout_pairs_its_raysim_with_its_own_algorithms_and_configs(tmp_path):
+    """The editable install maps raysim.algorithms to the checkout pip installed last; run
+    from another checkout, raysim still takes that checkout's own folders (raysim/__init__)."""
+    import shutil
+
+    clone = tmp_path / "clone"
+    for name in ("raysim", "algorithms", "configs"):
+        shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", clone)
+    (clone / "algorithms" / "zz_marker.py").write_text(
+        "from raysim.algorithms.fedavg import FedAvg\nfrom raysim.registry import ALGORITHMS\n\n\n"
+        "@ALGORITHMS.register('clone_marker')\nclass Marker(FedAvg):\n    pass\n")
+    code = ("import raysim.algorithms.fedavg as a, raysim.config as c; from raysim import registry; "
+            "print(a.__file__); print(c.CONFIG_DIR); print('clone_marker' in registry.ALGORITHMS.names())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=clone, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    algorithms, configs, marker = r.stdout.split()
+    assert Path(algorithms) == clone / "algorithms" / "fedavg.py" and Path(configs) == clone / "configs"
+    assert marker == "True"
+
+
 def test_an_edited_algorithm_file_changes_the_code_stamp_that_keeps_workers_warm():
     """Warm workers are reused only while `code_stamp` is unchanged: it covers the mapped
     algorithms folder as well as the raysim package."""
