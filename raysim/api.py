@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Union
 
 from raysim.errors import NothingToDo
-from raysim.launch import check, launch, quiet, say_on_stderr, start_ray
+from raysim.launch import check, launch, quiet, say_on_stderr
+from raysim.runtime.ray_session import start_ray
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""Starting Ray and driving one run from the caller's process (the CLI or `raysim.simulate`).
+"""Driving one run from the caller's process (the CLI, `raysim.simulate`, a sweep's trial).
 
 `check` reads and validates the config before Ray starts (a typo costs a second or two);
-`start_ray` starts a local Ray (on loopback only) or joins `ray.address`; `launch` starts
+the caller then starts or joins Ray (runtime/ray_session.py); `launch` starts
 the server actor, waits (bounded) for the client actors to be placed, steps the rounds and
 returns the summary. Failures come back as exceptions whose message is a few lines:
 `ConfigError` (bad input, nothing written), `RunDiverged`, `RunFailed` (an exception in
@@ -11,7 +11,6 @@ an algorithm's or a plugin's code; the full traceback is in the run's log.txt),
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import sys
@@ -21,6 +20,7 @@ from typing import Callable, Optional
 
 from raysim.config import ConfigError, describe_layers, read_layers, resolve
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
+from raysim.runtime.ray_session import first_line
 
 # Set by the CLI's Ctrl-C / SIGTERM handler (run.py). A KeyboardInterrupt raised inside Ray's
 # own code can be lost there (seen: a Ctrl-C in round 2 ignored, all 400 rounds run); the
@@ -139,166 +139,6 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
     if kind == "crash":  # not bad input the checks know: a bug, said in one line
         raise RunFailed(f"checking the config failed: {first}")
     return first, OmegaConf.create(cfg)
-
-
-def start_ray(ray_cfg, say: Say = quiet, command: bool = False) -> bool:
-    """Connect to `ray.address`, or start a local Ray (and `raysim.runtime.reaper`, which stops it if
-    this process is killed outright). Returns True if we started it. `command`: the caller
-    is a command-line process, which Ctrl-C may end inside `ray.init` (`interruptible`);
-    not so for `raysim.simulate`, whose process may be a notebook's kernel."""
-    if "ray" in sys.modules:
-        import ray
-
-        if ray.is_initialized():
-            return False
-    if ray_cfg.address:
-        say(f"joining the Ray cluster at {ray_cfg.address}")
-        import ray
-
-        check_reachable(ray_cfg.address)
-        try:
-            with interruptible("while joining the Ray cluster") if command else contextlib.nullcontext():
-                ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
-        except ConnectionError as e:
-            raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {first_line(e)}") from None
-        return False
-    say("starting a local Ray" + (f" with {ray_cfg.num_cpus} CPUs" if ray_cfg.num_cpus else ""))
-    with loopback_only():
-        import ray
-
-        try:
-            store = ray_cfg.get("object_store_gb")
-            with interruptible("while starting the local Ray") if command else contextlib.nullcontext():
-                ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
-                               object_store_memory=int(store * 2**30) if store else None,
-                               logging_level=logging.ERROR, log_to_driver=False)
-        except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
-            raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
-                              "logs are in its temp folder's session_latest/logs; a time-out here means the "
-                              "machine was too loaded: retry") from None
-    import subprocess
-
-    subprocess.Popen([sys.executable, "-m", "raysim.runtime.reaper", str(os.getpid())], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if ray_cfg.dashboard:
-        say(f"Ray's dashboard: http://{ctx.dashboard_url} (it asks for a token only when Ray runs with "
-            "RAY_AUTH_MODE=token: see README, Security)")
-    return True
-
-
-@contextlib.contextmanager
-def interruptible(what: str):
-    """Ctrl-C and SIGTERM end the process at once (exit 130) while the block runs, even when
-    the main thread sits in Ray's C++ code and never returns to Python to run a signal
-    handler (`ray.init` retrying an address). Python's C-level handler writes each signal's
-    number to a wake-up pipe; a watcher thread reads it and exits, stopping the processes
-    this one started (a half-started local Ray). Outside the main thread: a plain block."""
-    import select
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            if select.select([r], [], [], 0.2)[0]:
-                got = os.read(r, 64)
-                if not done.is_set() and (signal.SIGINT in got or signal.SIGTERM in got):
-                    print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
-                    _stop_children()
-                    os._exit(130)
-
-    watcher = threading.Thread(target=watch, name="raysim-interruptible", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        signal.set_wakeup_fd(previous)
-        watcher.join()
-        os.close(r)
-        os.close(w)
-
-
-def _stop_children() -> None:
-    """Kill this process's child processes (a local Ray's raylet, GCS and workers)."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-
-
-@contextlib.contextmanager
-def loopback_only():
-    """Ray binds its servers to the node's IP address, and to loopback only when that address
-    is 127.0.0.1. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (Ray's laptop setting, read when ray
-    is first imported) makes a single-machine Ray take 127.0.0.1. Set only while the local
-    Ray starts: a multi-node `ray start` later in this process's children would refuse it."""
-    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-    ours = key not in os.environ and "ray" not in sys.modules
-    if ours:
-        os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if ours:
-            os.environ.pop(key, None)
-
-
-def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail within about `timeout` seconds, with one line, when `ray.address` is not a Ray
-    head: nothing listens there, or something else does (the dashboard's port, an SSH
-    tunnel to another service, a proxy). Ray itself retries such an address for minutes, or
-    for ever, printing C++ warnings. A GCS address is asked the GCS's own question
-    (`GetClusterId`, plain gRPC with a deadline); `ray://` (Ray Client) and `auto` are left
-    to Ray, which answers them at once."""
-    if address == "auto" or address.startswith("ray://"):
-        if address.startswith("ray://"):
-            host, port = address[len("ray://"):].rsplit(":", 1)
-            _connect(address, host, port, timeout)
-        return
-    host, port = address.rsplit(":", 1)
-    _connect(address, host, port, timeout)
-    import grpc
-
-    channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)])
-    try:
-        channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=timeout)
-    except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else None
-        if code == grpc.StatusCode.UNAUTHENTICATED:  # a GCS with token auth (RAY_AUTH_MODE=token): Ray's
-            return
-        why = ("it does not answer within {:g} s".format(timeout) if code == grpc.StatusCode.DEADLINE_EXCEEDED
-               else "it speaks gRPC but has no Ray GCS service" if code == grpc.StatusCode.UNIMPLEMENTED
-               else "it does not speak Ray's protocol (gRPC)")
-        raise ConfigError(f"ray.address={address!r}: {host}:{port} answers but is not a Ray head node's GCS ({why}); "
-                          "give the head node's GCS address (`ray status` on the head node; port 6379 by default), "
-                          "not the dashboard's (8265) or the Ray Client's (10001, as ray://host:10001)") from None
-    finally:
-        channel.close()
-
-
-def _connect(address: str, host: str, port: str, timeout: float) -> None:
-    import socket
-
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"ray.address={address!r}: nothing answers at {host}:{port} ({type(e).__name__}: "
-                          f"{first_line(e) or 'timed out'}); check the address and port (the head node's "
-                          "`ray status`), that the head node runs, and that firewalls / security groups "
-                          "let this machine in") from None
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else ""
 
 
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,

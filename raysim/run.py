@@ -18,7 +18,8 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
-from raysim.launch import ServerDied, Interrupted, RunFailed, check_apart, launch, quiet, say_on_stderr, start_ray
+from raysim.launch import Interrupted, RunFailed, ServerDied, check_apart, launch, quiet, say_on_stderr
+from raysim.runtime.ray_session import start_ray
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
     stop_requested.clear()
     # Ctrl-C and SIGTERM work at every moment: from here (checks, starting Ray) to the end;
-    # inside ray.init, launch.interruptible takes over while Python code cannot run
+    # inside ray.init, ray_session.interruptible takes over while Python code cannot run
     previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     previous_int = signal.signal(signal.SIGINT, _terminate) if _main_thread() else None
     try:

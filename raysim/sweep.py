@@ -219,7 +219,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
     from ray import tune
 
-    from raysim.launch import start_ray
+    from raysim.runtime.ray_session import start_ray
 
     sweep_dir = (output_dir / name).resolve()
     points = plan(files, fixed, grid, sweep_dir)
