@@ -61,3 +61,16 @@ def test_algorithms_never_import_the_runtime_and_the_runtime_never_imports_an_al
             assert not any(i.startswith("raysim.runtime") for i in found), (name, found)
         if name.startswith(("raysim.runtime", "raysim.config")):
             assert not any(i.startswith("raysim.algorithms") for i in found), (name, found)
+
+
+def test_every_package_is_listed_in_pyproject_so_the_wheel_carries_it():
+    """pyproject lists its packages (the folder mapping needs an explicit list): a new
+    subpackage left out would be missing from an installed raysim."""
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(raysim(?:\.[a-z_]+)*)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
+    found = {"raysim" + "".join(f".{p}" for p in d.relative_to(REPO / "raysim").parts)
+             for d in (REPO / "raysim").rglob("*") if d.is_dir() and (d / "__init__.py").is_file()}
+    found |= {"raysim", "raysim.algorithms", "raysim.configs"}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
