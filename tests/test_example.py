@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from raysim.contract import ClientResult
@@ -13,9 +14,18 @@ from raysim.testing import InProcessServer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-sys.path.insert(0, str(EXAMPLES))
 
-import my_algorithm  # noqa: E402  (registers server_step)
+
+@pytest.fixture(autouse=True)
+def my_algorithm():
+    """Import the example (it registers `server_step`), as `plugins=[my_algorithm]` would."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import my_algorithm
+
+        yield my_algorithm
+    finally:
+        sys.path.remove(str(EXAMPLES))
 
 
 def linear():
