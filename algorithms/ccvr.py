@@ -98,11 +98,12 @@ class CCVR(FedAvg):
         return {"calibrated": Retrained(self.model.encoder, self.calibrated), "global": self.model}
 
     def state_dict(self) -> dict:
-        return {"global": self.model.state_dict(),
+        return {"global": self.model.state_dict(), **self.server_rule.state_dict(),
                 "calibrated": None if self.calibrated is None else self.calibrated.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["global"])
+        self.server_rule.load_state_dict(state)
         if state["calibrated"] is not None:
             self.calibrated = copy.deepcopy(self.model.head)
             self.calibrated.load_state_dict(state["calibrated"])

@@ -54,6 +54,9 @@ def flat(state: dict, names) -> torch.Tensor:
 class GroupModels(FedAvg):
     """m group models, each trained by FedAvg over its members (module docstring)."""
 
+    server_parts = ()
+    own_server_rule = "it keeps a model per group, each the mean of its members"
+
     Options = GroupsOptions
 
     @property

@@ -65,7 +65,7 @@ from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, cpu_state, local_sgd, seed_for, train_linear
+from raysim.training import cpu_state, local_sgd, seed_for, train_linear
 
 
 @dataclass
@@ -146,10 +146,10 @@ class CReFF(FedAvg):
         return {"weights": cpu_state(self.model), "classifier": cpu_state(self.classifier)}
 
     def aggregate(self, rnd: int, results) -> dict:
-        mean, loss_sum = WeightedMean(), 0.0
+        fold, loss_sum = self.server_rule.round(), 0.0  # the server parts fold w (raysim/aggregation)
         grad_sum: dict[int, list] = {}
         for r in results:
-            mean.add(r.update["weights"], r.num_samples)
+            fold.add(r.update["weights"], r.num_samples)
             loss_sum += r.metrics["loss"] * r.num_samples
             for c, (gw, gb) in r.update["grads"].items():
                 acc = grad_sum.setdefault(int(c), [torch.zeros_like(gw, dtype=torch.float64),
@@ -157,14 +157,14 @@ class CReFF(FedAvg):
                 acc[0] += gw.double()
                 acc[1] += gb.double()
                 acc[2] += 1
-        new = mean.result(self.model.state_dict())
+        new = fold.result(self.model.state_dict())
         if new is None:
             return {}
         self.model.load_state_dict(new)
         real = {c: ((w / n).float(), (b / n).float()) for c, (w, b, n) in sorted(grad_sum.items())}
         first, last = self.match_features(real)
         self.retrain(rnd)
-        return {"train_loss": loss_sum / mean.total, "match_loss_start": first, "match_loss": last,
+        return {"train_loss": loss_sum / fold.total, "match_loss_start": first, "match_loss": last,
                 "classes_matched": len(real)}
 
     def match_features(self, real: dict) -> tuple[float, float]:
@@ -214,10 +214,11 @@ class CReFF(FedAvg):
 
     def state_dict(self) -> dict:
         return {"global": self.model.state_dict(), "classifier": self.classifier.state_dict(),
-                "features": self.features.clone()}
+                "features": self.features.clone(), **self.server_rule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["global"])
+        self.server_rule.load_state_dict(state)
         self.classifier.load_state_dict(state["classifier"])
         self.features = state["features"].clone()
 

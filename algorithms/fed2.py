@@ -110,6 +110,9 @@ def groupable_models() -> list[str]:
 
 @ALGORITHMS.register("fed2")
 class Fed2(FedAvg):
+    server_parts = ()
+    own_server_rule = "its aggregate is the paired, per-group weighted mean"
+
     Options = Fed2Options
 
     def build_model(self, input_shape: tuple) -> torch.nn.Module:

@@ -1,40 +1,55 @@
 """FedAvg (McMahan et al. 2017): clients run local SGD from the global model; the server
-replaces it with the sample-weighted mean of the returned models."""
+replaces it with the sample-weighted mean of the returned models. The server step goes
+through raysim's server parts (raysim/aggregation/), so `server.aggregator` (median,
+trimmed mean, Krum, ...) and `server.optimizer` (FedAdam, FedYogi, ...) apply to FedAvg and
+to every algorithm built on it; with the defaults it is the plain weighted mean."""
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
+from raysim.aggregation import ServerRule
+from raysim.aggregation.optimizers import ServerOptimizer
 from raysim.contract import Algorithm, Client, ClientResult, Server
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, base_loss, base_sample_loss, cpu_state, local_sgd
+from raysim.training import base_loss, base_sample_loss, cpu_state, local_sgd, parameter_names
 
 
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
+    server_parts = ("aggregator", "optimizer")  # server.aggregator / server.optimizer apply
+
     # ---- server ----
     def setup(self, server: Server) -> None:
         self.model = server.new_model()
+        self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model), self.server_optimizer())
+
+    def server_optimizer(self) -> Optional[ServerOptimizer]:
+        """The optimiser of the server step; None: `server.optimizer` (FedAvgM overrides)."""
+        return None
 
     def broadcast(self, rnd: int) -> dict:
         return {"weights": cpu_state(self.model)}
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        mean, loss_sum = WeightedMean(), 0.0
+        fold, loss_sum = self.server_rule.round(), 0.0
         for r in results:
-            mean.add(r.update, r.num_samples)
+            fold.add(r.update, r.num_samples)
             loss_sum += r.metrics["loss"] * r.num_samples
-        new = mean.result(self.model.state_dict())
+        new = fold.result(self.model.state_dict())
         if new is None:  # every client dropped out: keep the model
             return {}
-        self.apply(new)
-        return {"train_loss": loss_sum / mean.total}
-
-    def apply(self, averaged: dict) -> None:
-        """Take the averaged weights as the new global model (FedAvgM overrides)."""
-        self.model.load_state_dict(averaged)
+        self.model.load_state_dict(new)
+        return {"train_loss": loss_sum / fold.total}
 
     def eval_models(self) -> dict:
         return {"global": self.model}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), **self.server_rule.state_dict()}  # + the optimiser's state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.server_rule.load_state_dict(state)
 
     # ---- client ----
     trains_on_base_loss = True  # training.base_loss (so local.focal_gamma applies); False: its own loss

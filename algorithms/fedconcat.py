@@ -159,6 +159,8 @@ def inferred_distribution(model: nn.Module, probe: torch.Tensor) -> np.ndarray:
 
 @ALGORITHMS.register("fedconcat")
 class FedConcat(Algorithm):
+    own_server_rule = "its stages average cluster encoders and a classifier of their own"
+
     Options = FedConcatOptions
     config_section = "fedconcat"  # fedconcat_id reads the same options
     client_state = True  # the cached features

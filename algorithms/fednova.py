@@ -28,6 +28,9 @@ from raysim.algorithms.fedavg import FedAvg
 
 @ALGORITHMS.register("fednova")
 class FedNova(FedAvg):
+    server_parts = ()
+    own_server_rule = "its server step is the normalised one, x - tau_eff * sum p_i d_i"
+
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
         d, buffers, tau_eff, loss_sum = WeightedMean(), WeightedMean(), 0.0, 0.0
         for r in results:

@@ -52,6 +52,9 @@ def control_variate_update(c_i: dict, c: dict, x: dict, y: dict, steps: float, l
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(FedAvg):
+    server_parts = ()
+    own_server_rule = "its server step adds the mean of dy and updates the control variate c"
+
     Options = ScaffoldOptions
     client_state = True  # c_i
 

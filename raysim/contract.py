@@ -102,6 +102,13 @@ class Algorithm:
     """True: local training minimises `training.base_loss` (cross-entropy, or the focal loss
     with `local.focal_gamma`), possibly plus a penalty (FedProx); False: its own loss, and
     `local.focal_gamma` is refused."""
+    server_parts: ClassVar[tuple] = ()
+    """The server parts its aggregation takes, of "aggregator" and "optimizer"
+    (`server.aggregator`, `server.optimizer`: raysim/aggregation/): an algorithm that folds
+    its clients' models through `ServerRule` (FedAvg and those built on it) takes both; one
+    with its own server step takes none, and `server.*` beyond plain FedAvg is refused."""
+    own_server_rule: ClassVar[str] = ""
+    """Why it takes no (or not every) server part, for that message."""
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg

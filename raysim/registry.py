@@ -49,6 +49,8 @@ PARTITIONS = Registry("partition")
 MODELS = Registry("model")
 ALGORITHMS = Registry("algorithm")
 SELECTIONS = Registry("selection")
+AGGREGATORS = Registry("aggregator")  # server.aggregator (raysim/aggregation/aggregators.py)
+SERVER_OPTIMIZERS = Registry("server optimizer")  # server.optimizer (raysim/aggregation/optimizers.py)
 
 # Modules whose import registers the built-in parts. An external plugin adds its module
 # name here (or imports itself before the run starts).
@@ -57,6 +59,7 @@ PLUGIN_MODULES = [
     "raysim.data.leaf",
     "raysim.data.partition",
     "raysim.models",
+    "raysim.aggregation",
     "raysim.algorithms",
 ]
 

@@ -131,6 +131,23 @@ class ClientsConfig:
 
 
 @dataclass
+class ServerConfig:
+    """The server's rule for algorithms that fold client models through raysim's server
+    parts (`Algorithm.server_parts`): raysim/aggregation/."""
+
+    aggregator: str = "mean"  # mean | median | trimmed_mean | krum | multi_krum | geometric_median
+    optimizer: str = "sgd"  # sgd | momentum | adam | yogi | adagrad (Reddi et al.'s FedOpt)
+    lr: float = 1.0  # the server's step eta (sgd with 1: the aggregate itself, FedAvg)
+    momentum: float = 0.9  # momentum's beta
+    beta1: float = 0.9  # adam / yogi / adagrad: first moment
+    beta2: float = 0.99  # adam / yogi: second moment
+    tau: float = 1e-3  # adam / yogi / adagrad: adaptivity (v starts at tau^2)
+    trim: float = 0.1  # trimmed_mean: the share cut at each end, per coordinate
+    byzantine: int = 0  # krum / multi_krum: f, the attackers tolerated (needs a cohort > 2f + 2)
+    krum_m: int = 1  # multi_krum: how many of the best-scored models are averaged
+
+
+@dataclass
 class Config:
     algorithm: str = "fedavg"
     selection: str = "random"
@@ -158,6 +175,7 @@ class Config:
     system: SystemConfig = field(default_factory=SystemConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint

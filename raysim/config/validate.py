@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from raysim import registry
-from raysim.config.schema import AUGMENTATIONS, augmentation_name
+from raysim.config.schema import AUGMENTATIONS, augmentation_name, clients_per_round
 from raysim.config.sections import PLUGIN_KINDS, section_of
 from raysim.errors import ConfigError
 
@@ -125,6 +125,7 @@ def validate(cfg: DictConfig) -> None:
         need(augmentation_name(loc.augment) == "none",
              f"local.vectorize does not combine with local.augment={loc.augment} (its random draws interleave with "
              "the batch order): set local.augment=false or local.vectorize=false")
+    check_server(cfg, need)
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
@@ -170,3 +171,37 @@ def validate(cfg: DictConfig) -> None:
         section = section_of(reg, cfg[key])
         if section is not None:
             reg.get(cfg[key]).Options.check_section(cfg, section)
+
+
+def check_server(cfg: DictConfig, need) -> None:
+    """`server.*`: known names, ranges, and an algorithm that takes the parts asked for."""
+    from raysim.aggregation import is_plain
+
+    sv = cfg.server
+    _check_name(cfg, "server.aggregator", registry.AGGREGATORS)
+    _check_name(cfg, "server.optimizer", registry.SERVER_OPTIMIZERS)
+    need(sv.lr > 0, f"server.lr must be > 0, got {sv.lr}")
+    for key in ("momentum", "beta1", "beta2"):
+        need(0 <= sv[key] < 1, f"server.{key} must be in [0, 1), got {sv[key]}")
+    need(sv.tau > 0, f"server.tau must be > 0, got {sv.tau}")
+    need(0 <= sv.trim < 0.5, f"server.trim must be in [0, 0.5) (the share cut at each end), got {sv.trim}")
+    need(sv.byzantine >= 0, f"server.byzantine must be >= 0, got {sv.byzantine}")
+    need(sv.krum_m >= 1, f"server.krum_m must be >= 1, got {sv.krum_m}")
+    if sv.aggregator in ("krum", "multi_krum"):
+        n = clients_per_round(cfg)
+        need(n > 2 * sv.byzantine + 2, f"server.aggregator={sv.aggregator} with server.byzantine={sv.byzantine} needs "
+                                       f"more than {2 * sv.byzantine + 2} clients per round (Krum's n > 2f + 2); "
+                                       f"this run has {n}")
+        need(sv.aggregator == "krum" or sv.krum_m <= n,
+             f"server.krum_m={sv.krum_m} is more than the {n} clients per round")
+    algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    takes = algorithm.server_parts
+    asked = [] if is_plain(sv) else (["aggregator"] if sv.aggregator != "mean" else []) + \
+        (["optimizer"] if sv.optimizer != "sgd" or sv.lr != 1.0 else [])
+    for part in asked:
+        if part not in takes:
+            others = [n for n in registry.ALGORITHMS.names() if part in registry.ALGORITHMS.get(n).server_parts]
+            why = algorithm.own_server_rule or "its server step is its own"
+            value = f"server.{part}={sv[part]}" + (f" server.lr={sv.lr}" if part == "optimizer" and sv.lr != 1.0 else "")
+            raise ConfigError(f"{value}: algorithm {cfg.algorithm!r} does not take a server {part} ({why}); "
+                              f"algorithms that do: {', '.join(others)}")
