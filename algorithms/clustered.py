@@ -55,6 +55,7 @@ class GroupModels(FedAvg):
     """m group models, each trained by FedAvg over its members (module docstring)."""
 
     server_parts = ()
+    returns_model = False  # a client may return its pick of m models (IFCA, FeSEM)
     own_server_rule = "it keeps a model per group, each the mean of its members"
 
     Options = GroupsOptions

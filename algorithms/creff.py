@@ -127,6 +127,7 @@ def matching_loss(fed: tuple, real: tuple, reduction: str = "mean") -> torch.Ten
 
 @ALGORITHMS.register("creff")
 class CReFF(FedAvg):
+    returns_model = False  # it returns the model with its per-class gradients
     Options = CReFFOptions
 
     @property

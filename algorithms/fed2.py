@@ -111,6 +111,7 @@ def groupable_models() -> list[str]:
 @ALGORITHMS.register("fed2")
 class Fed2(FedAvg):
     server_parts = ()
+    returns_model = False  # it returns the weights with its samples per group
     own_server_rule = "its aggregate is the paired, per-group weighted mean"
 
     Options = Fed2Options

@@ -17,6 +17,7 @@ from raysim.training import base_loss, base_sample_loss, cpu_state, local_sgd, p
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
     server_parts = ("aggregator", "optimizer")  # server.aggregator / server.optimizer apply
+    returns_model = True  # client_update returns the trained model: model attacks apply
 
     # ---- server ----
     def setup(self, server: Server) -> None:

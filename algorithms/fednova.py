@@ -29,6 +29,7 @@ from raysim.algorithms.fedavg import FedAvg
 @ALGORITHMS.register("fednova")
 class FedNova(FedAvg):
     server_parts = ()
+    returns_model = False  # it returns d = (x - y) / a
     own_server_rule = "its server step is the normalised one, x - tau_eff * sum p_i d_i"
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:

@@ -109,6 +109,9 @@ class Algorithm:
     with its own server step takes none, and `server.*` beyond plain FedAvg is refused."""
     own_server_rule: ClassVar[str] = ""
     """Why it takes no (or not every) server part, for that message."""
+    returns_model: ClassVar[bool] = False
+    """True: `client_update` returns the client's whole model (a state dict) for the
+    payload's `weights`, so model attacks (`attack.kind`, raysim/attacks.py) apply."""
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from raysim.contract import ClientResult
+from raysim.attacks import Adversaries
 from raysim.config import clients_per_round
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability
@@ -51,6 +52,7 @@ class InProcessServer:
         self.input_range = (float(inputs.min()), float(inputs.max()))
         self._model = model
         self.availability = Availability(cfg, self.num_clients)
+        self.adversaries = Adversaries(cfg, self.num_clients)
         self.algorithm, self.selection = self._plugins()
         self._client_side = dict(zip(("algorithm", "selection"), self._plugins()))  # as in a client actor
         self._client_model: Optional[torch.nn.Module] = None
@@ -98,11 +100,15 @@ class InProcessServer:
         results = []
         for group in groups:
             clients = [self._client(rnd, c, plugin.client_state) for c in group]
+            for client in clients:
+                self.adversaries.before(client, rnd, method)
+            received = unpack(wire)  # this group's own copy, as a client actor's task gets
             if vector:
-                done = plugin.client_update_cohort(clients, unpack(wire))
+                done = plugin.client_update_cohort(clients, received)
             else:
-                done = [getattr(plugin, method)(clients[0], unpack(wire))]
+                done = [getattr(plugin, method)(clients[0], received)]
             for client, result in zip(clients, done):
+                result = self.adversaries.after(client, received, result, rnd, method)
                 if plugin.client_state:
                     self.states[client.cid] = unpack(pack(client.state))
                 elif client.state:

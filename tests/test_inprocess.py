@@ -12,8 +12,12 @@ SMALL = ["dataset=digits", "num_clients=8", "participation=0.5", "rounds=3", "lo
 
 @pytest.mark.parametrize("extra", [["algorithm=fedavg"], ["algorithm=scaffold"], ["algorithm=moon"],
                                    ["algorithm=fedprox", "model=mclr", "local.vectorize=true"],
-                                   ["algorithm=fedavg", "selection=fedentopt"]],
-                         ids=["fedavg", "scaffold-stateful", "moon-stateful", "fedprox-vectorised", "fedentopt"])
+                                   ["algorithm=fedavg", "selection=fedentopt"],
+                                   ["algorithm=fedprox", "server.optimizer=adam", "server.lr=0.03",
+                                    "server.aggregator=median", "attack.kind=gaussian", "attack.fraction=0.25",
+                                    "attack.scale=0.1"]],
+                         ids=["fedavg", "scaffold-stateful", "moon-stateful", "fedprox-vectorised", "fedentopt",
+                              "adam-median-attacked"])
 def test_in_process_gives_the_model_a_run_on_ray_gives(ray_local, tmp_path, extra):
     torch.set_num_threads(1)  # as a client actor (resources.torch_threads)
     server = InProcessServer.from_config(load_config(overrides=[*SMALL, *extra]))

@@ -148,6 +148,17 @@ class ServerConfig:
 
 
 @dataclass
+class AttackConfig:
+    """Adversarial clients, for any algorithm (raysim/attacks.py)."""
+
+    kind: str = "none"  # none | label_flip | sign_flip | scaled | gaussian
+    fraction: float = 0.0  # share of all clients that attack (drawn once from the seed; at least one when > 0)
+    start: int = 1  # the first round they attack
+    boost: float = 10.0  # scaled: the factor on the attacker's update
+    scale: float = 1.0  # gaussian: the noise's standard deviation
+
+
+@dataclass
 class Config:
     algorithm: str = "fedavg"
     selection: str = "random"
@@ -176,6 +187,7 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint

@@ -126,6 +126,7 @@ def validate(cfg: DictConfig) -> None:
              f"local.vectorize does not combine with local.augment={loc.augment} (its random draws interleave with "
              "the batch order): set local.augment=false or local.vectorize=false")
     check_server(cfg, need)
+    check_attack(cfg, need)
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
@@ -205,3 +206,23 @@ def check_server(cfg: DictConfig, need) -> None:
             value = f"server.{part}={sv[part]}" + (f" server.lr={sv.lr}" if part == "optimizer" and sv.lr != 1.0 else "")
             raise ConfigError(f"{value}: algorithm {cfg.algorithm!r} does not take a server {part} ({why}); "
                               f"algorithms that do: {', '.join(others)}")
+
+
+def check_attack(cfg: DictConfig, need) -> None:
+    """`attack.*`: a known kind, ranges, and an algorithm whose clients return their model
+    for the model attacks."""
+    from raysim.attacks import KINDS, MODEL_ATTACKS
+
+    a = cfg.attack
+    need(a.kind in KINDS, f"attack.kind must be one of {', '.join(KINDS)}, got {a.kind!r}")
+    need(0 <= a.fraction < 1, f"attack.fraction must be in [0, 1) (some clients must be honest), got {a.fraction}")
+    need(a.kind == "none" or a.fraction > 0, f"attack.kind={a.kind} needs attack.fraction > 0 (the share of clients "
+                                             "that attack)")
+    need(1 <= a.start <= cfg.rounds, f"attack.start must be a round in [1, rounds={cfg.rounds}], got {a.start}")
+    need(a.boost > 0, f"attack.boost must be > 0, got {a.boost}")
+    need(a.scale > 0, f"attack.scale must be > 0, got {a.scale}")
+    if a.kind in MODEL_ATTACKS and not registry.ALGORITHMS.get(cfg.algorithm).returns_model:
+        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).returns_model]
+        raise ConfigError(f"attack.kind={a.kind} changes the model a client returns, but algorithm {cfg.algorithm!r} "
+                          f"returns something else; label_flip works with every algorithm; model attacks with: "
+                          f"{', '.join(takes)}")

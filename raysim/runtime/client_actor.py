@@ -18,6 +18,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from raysim.attacks import Adversaries
 from raysim.contract import Client
 from raysim.config import ConfigError, augmentation_name
 from raysim.data.augment import make_transform
@@ -69,6 +70,7 @@ class ClientActor:
         }
         self.model = self.plugins["algorithm"].build_model(shape).to(self.device)
         self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
+        self.adversaries = Adversaries(self.cfg, int(self.cfg.num_clients))  # attack.* (raysim/attacks.py)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
             group: int, cohorts: Optional[list[int]], payload, *states):
@@ -93,6 +95,8 @@ class ClientActor:
         results, new_states = [], []
         for part in _split(list(zip(cids, epochs, states)), cohorts):
             part = [self._client(rnd, *args) for args in part]  # built just before training: seeds torch's RNG
+            for client in part:
+                self.adversaries.before(client, rnd, method)
             before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
             if cohorts is None:
@@ -101,6 +105,7 @@ class ClientActor:
                 done = plugin.client_update_cohort(part, payload)
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
+                result = self.adversaries.after(client, payload, result, rnd, method)
                 result.metrics.setdefault("seconds", seconds)
                 if stateful:
                     # a state the call did not touch is not sent back: the server keeps its reference

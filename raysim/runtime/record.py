@@ -20,7 +20,8 @@ from raysim.runtime.observe import RayMetrics
 
 
 class RunRecord:
-    def __init__(self, cfg, run_dir: Path, t_start: float, resume: Optional[dict], sizes, stragglers: set):
+    def __init__(self, cfg, run_dir: Path, t_start: float, resume: Optional[dict], sizes, stragglers: set,
+                 attacking=lambda cid, rnd, method: False):
         """Create (or, resuming from checkpoint `resume`, reopen) the run directory."""
         saved = cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
@@ -28,7 +29,7 @@ class RunRecord:
                                 tensorboard=bool(cfg.log.tensorboard))
         self.dir = self.writer.dir
         self.t_start = t_start
-        self.sizes, self.stragglers = sizes, stragglers
+        self.sizes, self.stragglers, self.attacking = sizes, stragglers, attacking
         self.metrics = RayMetrics(Path(run_dir).name)
         self.rows: list[dict] = []  # the clients table's rows of the round in progress
         self.client_updates = 0
@@ -51,7 +52,8 @@ class RunRecord:
         self.rows.append({
             "round": rnd, "cid": cid, "method": method, "status": status, "reason": reason,
             "num_samples": num_samples, "epochs": epochs, "straggler": cid in self.stragglers,
-            "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy})
+            "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy,
+            "attacker": self.attacking(cid, rnd, method)})
 
     def new_round(self) -> None:
         self.rows = []

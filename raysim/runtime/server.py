@@ -26,6 +26,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from raysim.attacks import Adversaries
 from raysim.contract import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record
 from raysim.data.long_tail import shot_accuracy, shot_groups
@@ -77,6 +78,7 @@ class FederatedServer:
         self.num_clients = int(self.cfg.num_clients)
         self.availability = Availability(self.cfg, self.num_clients)
         self.system = SystemEffects(self.cfg, self.num_clients)
+        self.adversaries = Adversaries(self.cfg, self.num_clients)  # who attacks, for the record
         self.num_classes = num_classes
         self.input_shape = data.input_shape
         self.store_notice = placement.store_notice(data.x_train.nbytes + data.y_train.nbytes,
@@ -91,7 +93,8 @@ class FederatedServer:
         """Create (or, resuming, reopen) the run directory and set up the algorithm and the
         selection: from here on the run writes."""
         ckpt, d = self.ckpt, self.dispatch
-        self.record = RunRecord(self.cfg, self.run_dir, self.t_start, ckpt, self.sizes, self.system.stragglers)
+        self.record = RunRecord(self.cfg, self.run_dir, self.t_start, ckpt, self.sizes, self.system.stragglers,
+                                self.adversaries.attacking)
         d.record = self.record
         self.record.log(f"{d.n_actors} client actors ({d.needs} each) for {self.num_clients} clients"
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
@@ -199,6 +202,7 @@ class FederatedServer:
         row.update({
             "clients": len(calls),
             "dropped": len(calls) - len(ok),
+            "attackers": sum(bool(r["attacker"]) for r in ok),  # attack.*: of the clients that returned
             "available": len(there),
             "bytes_down": d.bytes[0],  # cumulative, from the start of the run
             "bytes_up": d.bytes[1],
