@@ -34,7 +34,10 @@ class FedAvg(Algorithm):
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
         fold, loss_sum = self.server_rule.round(), 0.0
         for r in results:
-            fold.add(r.update, r.num_samples)
+            if r.clients is None:
+                fold.add(r.update, r.num_samples)
+            else:  # several clients' sum, made where they ran (server.partial_sums)
+                fold.add_sum(r.update, r.num_samples)
             loss_sum += r.metrics["loss"] * r.num_samples
         new = fold.result(self.model.state_dict())
         if new is None:  # every client dropped out: keep the model

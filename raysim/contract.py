@@ -36,6 +36,10 @@ class ClientResult:
     update: Any = None
     metrics: dict = field(default_factory=dict)
     state_changed: bool = True  # set by the runtime: False when the call left client.state as it was
+    # set by the runtime for a partial sum (`server.partial_sums`): `update` is the sum of the
+    # clients' updates weighted by their samples, `num_samples` their total, and this lists each
+    # folded client's (cid, num_samples, metrics, state_changed); None: one client's result
+    clients: Optional[list] = None
 
 
 @dataclass

@@ -13,7 +13,8 @@ it (`training.new_client`: seeded from (seed, round, client id)), on separate in
 the algorithm and selection (the client half sees nothing of the server's state but the
 payload, which it gets as a copy, as over the wire); results come back in client-id order
 and as copies; stateful clients keep `client.state` between rounds; `local.vectorize`
-trains consecutive groups with `client_update_cohort`. What a run adds on top, the
+trains consecutive groups with `client_update_cohort`; `server.partial_sums` folds blocks of
+results as client actors do. What a run adds on top, the
 runtime's and not an algorithm's business, is left out: dropout, stragglers, faults,
 checkpoints, augmentation and the run directory. `calls` lists every call made, for tests.
 """
@@ -30,7 +31,7 @@ from raysim.config import clients_per_round
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability
 from raysim.runtime.wire import pack, unpack
-from raysim.training import evaluate, new_client
+from raysim.training import evaluate, new_client, partial_sum
 
 
 class InProcessServer:
@@ -114,8 +115,11 @@ class InProcessServer:
                 elif client.state:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                        "client_state = True, so the state would be lost")
-                results.append(unpack(pack(result)))  # a copy, as over the wire
-        return iter(results)
+                results.append(result)
+        block = int(self.cfg.server.partial_sums) if method == "client_update" else 0
+        if block:  # server.partial_sums: one sum per block of consecutive clients, as client actors make
+            results = [partial_sum(results[i:i + block]) for i in range(0, len(results), block)]
+        return iter([unpack(pack(r)) for r in results])  # copies, as over the wire
 
     def _client(self, rnd: int, cid: int, stateful: bool):
         if self._client_model is None:  # the client side's scratch model, as a client actor's

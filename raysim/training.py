@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from raysim.contract import Client
+from raysim.contract import Client, ClientResult
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -231,6 +231,16 @@ class WeightedMean:
                     self.acc[k] = torch.maximum(self.acc[k], v)
         self.total += weight
 
+    def add_sum(self, sums: dict[str, torch.Tensor], weight: float) -> None:
+        """Fold another running sum (`acc` of a WeightedMean over clients weighing `weight`
+        in all): a partial sum made where the clients ran (`partial_sum`)."""
+        if self.acc is None:
+            self.acc = {k: v.clone() for k, v in sums.items()}
+        else:
+            for k, v in sums.items():
+                self.acc[k] = self.acc[k] + v if v.is_floating_point() else torch.maximum(self.acc[k], v)
+        self.total += weight
+
     def result(self, like: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
         """The mean, cast to the dtypes of `like`; None when nothing was added."""
         if self.acc is None or self.total <= 0:
@@ -283,6 +293,19 @@ class GroupWeightedMean:
             mean = torch.where(den > 0, v / den.clamp_min(1e-300), like[k].double())
             out[k] = mean.to(like[k].dtype)
         return out
+
+
+def partial_sum(results: list[ClientResult]) -> ClientResult:
+    """One block's results folded where they ran (`server.partial_sums`): the sample-weighted
+    sum of their updates (float64), their samples' total, their sample-weighted mean loss,
+    and each client's own line (`ClientResult.clients`). Folded in client-id order, like the
+    server's running sum, so a block's sum does not depend on which actor made it."""
+    mean, loss = WeightedMean(), 0.0
+    for r in results:
+        mean.add(r.update, r.num_samples)
+        loss += r.metrics["loss"] * r.num_samples
+    return ClientResult(results[0].cid, int(mean.total), mean.acc, {"loss": loss / mean.total if mean.total else 0.0},
+                        clients=[(r.cid, r.num_samples, r.metrics, r.state_changed) for r in results])
 
 
 def parameter_names(model: torch.nn.Module) -> set[str]:

@@ -178,3 +178,41 @@ def test_the_docs_composition_table_is_the_registrys():
             continue
         opt = "yes" if "optimizer" in a.server_parts else ("its own momentum" if "aggregator" in a.server_parts else "no")
         assert shown[name] == [yn["aggregator" in a.server_parts], opt, yn[a.vectorizes()], yn[a.trains_on_base_loss]], name
+
+
+# ---------------------------------------------------------------- partial sums inside the actors
+def test_partial_sums_are_bit_identical_across_actor_counts_and_in_process(ray_local, tmp_path):
+    """server.partial_sums=4: each actor sends one weighted sum per block of 4 clients (by
+    client id); 1, 2 and 3 actors and the in-process server give the same model, bit for bit,
+    and the clients table still has a row per client."""
+    import pyarrow.parquet as pq
+
+    common = ["dataset=digits", "num_clients=12", "participation=0.75", "rounds=3", "server.partial_sums=4",
+              "attack.kind=sign_flip", "attack.fraction=0.2", "algorithm=fedprox"]
+    models = []
+    for actors in (1, 2, 3):
+        name = f"a{actors}"
+        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
+                     "--quiet"]) == 0
+        models.append(torch.load(tmp_path / name / "model.pt", weights_only=True)["global"])
+        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist() if r["method"] == "client_update"]
+        assert len(rows) == 3 * 9 and all(r["loss"] is not None for r in rows)
+    torch.set_num_threads(1)
+    mine = InProcessServer.from_config(load_config(overrides=common))
+    mine.run()
+    models.append(mine.algorithm.model.state_dict())
+    for m in models[1:]:
+        assert all(torch.equal(models[0][k], m[k]) for k in m)
+    plain = InProcessServer.from_config(load_config(overrides=[o for o in common if "partial" not in o]))
+    plain.run()
+    for k, v in plain.algorithm.model.state_dict().items():  # the same sum, added in another order
+        assert torch.allclose(models[0][k], v, atol=1e-5), k
+
+
+def test_partial_sums_are_refused_where_each_model_is_needed():
+    for overrides, message in [(["server.partial_sums=4", "server.aggregator=median"], "only the mean aggregator"),
+                               (["server.partial_sums=4", "algorithm=scaffold"], "does not fold its clients' models"),
+                               (["server.partial_sums=4", "local.vectorize=true", "model=mclr"],
+                                "set server.partial_sums=local.vectorize_group=64")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides)

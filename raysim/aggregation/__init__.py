@@ -62,6 +62,11 @@ class RoundFold:
             self.buffers.add({k: v for k, v in state.items() if k not in self.rule.trainable}, weight)
         self.total += float(weight)
 
+    def add_sum(self, sums: dict[str, torch.Tensor], weight: float) -> None:
+        """A partial sum of several clients' states (`server.partial_sums`, mean only)."""
+        self.aggregator.mean.add_sum(sums, weight)
+        self.total += float(weight)
+
     def result(self, current: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
         """The new global state from `current` (the model's state dict); None when no client
         was added (every client dropped out: keep the model)."""

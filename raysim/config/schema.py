@@ -145,6 +145,7 @@ class ServerConfig:
     trim: float = 0.1  # trimmed_mean: the share cut at each end, per coordinate
     byzantine: int = 0  # krum / multi_krum: f, the attackers tolerated (needs a cohort > 2f + 2)
     krum_m: int = 1  # multi_krum: how many of the best-scored models are averaged
+    partial_sums: int = 0  # > 0 (mean aggregator): client actors send one weighted sum per block of this many clients
 
 
 @dataclass

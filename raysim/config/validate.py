@@ -196,6 +196,16 @@ def check_server(cfg: DictConfig, need) -> None:
         need(sv.aggregator == "krum" or sv.krum_m <= n,
              f"server.krum_m={sv.krum_m} is more than the {n} clients per round")
     algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    if sv.partial_sums:
+        need(sv.partial_sums >= 1, f"server.partial_sums must be >= 0 (0: off; a block size), got {sv.partial_sums}")
+        need(sv.aggregator == "mean", f"server.partial_sums adds up the clients' models where they ran, which only the "
+                                      f"mean aggregator can use; server.aggregator={sv.aggregator} needs every model")
+        need(algorithm.returns_model and "aggregator" in algorithm.server_parts,
+             f"server.partial_sums: algorithm {cfg.algorithm!r} does not fold its clients' models by FedAvg's "
+             "weighted mean; it needs each client's result")
+        need(not cfg.local.vectorize or sv.partial_sums == cfg.local.vectorize_group,
+             f"server.partial_sums={sv.partial_sums} with local.vectorize: the sums' blocks are the vectorised groups, "
+             f"so set server.partial_sums=local.vectorize_group={cfg.local.vectorize_group}")
     takes = algorithm.server_parts
     asked = [] if is_plain(sv) else (["aggregator"] if sv.aggregator != "mean" else []) + \
         (["optimizer"] if sv.optimizer != "sgd" or sv.lr != 1.0 else [])

@@ -27,7 +27,7 @@ from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import pool
 from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
 from raysim.runtime.wire import pack, unpack
-from raysim.training import new_client
+from raysim.training import new_client, partial_sum
 
 
 class DataNotAttached(RuntimeError):
@@ -73,10 +73,11 @@ class ClientActor:
         self.adversaries = Adversaries(self.cfg, int(self.cfg.num_clients))  # attack.* (raysim/attacks.py)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
-            group: int, cohorts: Optional[list[int]], payload, *states):
-        """Run `on.method(client, payload)` for each client in order, or, with `cohorts` (the
-        sizes of consecutive groups of `cids`, `local.vectorize`), `client_update_cohort` once
-        per group.
+            group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload, *states):
+        """Run `on.method(client, payload)` for each client in order, or, `vectorized`
+        (`local.vectorize`), `client_update_cohort` once per block of `cids` (`blocks`: the
+        sizes of consecutive blocks, placed whole). With `sums` (`server.partial_sums`), each
+        block's results are folded into one (`training.partial_sum`).
 
         Returns the results in lists of `group` (one object each: a few objects for many
         small updates, one per client for big ones) and, for a plugin with
@@ -93,16 +94,16 @@ class ClientActor:
         states = states if stateful else [None] * len(cids)
         payload = unpack(payload)
         results, new_states = [], []
-        for part in _split(list(zip(cids, epochs, states)), cohorts):
+        for part in _split(list(zip(cids, epochs, states)), blocks if vectorized else None):
             part = [self._client(rnd, *args) for args in part]  # built just before training: seeds torch's RNG
             for client in part:
                 self.adversaries.before(client, rnd, method)
             before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
-            if cohorts is None:
-                done = [getattr(plugin, method)(part[0], payload)]
-            else:
+            if vectorized:
                 done = plugin.client_update_cohort(part, payload)
+            else:
+                done = [getattr(plugin, method)(part[0], payload)]
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
                 result = self.adversaries.after(client, payload, result, rnd, method)
@@ -113,10 +114,13 @@ class ClientActor:
                     result.state_changed = (client.state.keys() != old.keys()
                                             or any(client.state[k] is not v for k, v in old.items()))
                     new_states.append(pack(client.state) if client.state and result.state_changed else None)
-                results.append(pack(result))
+                results.append(result)
                 if not stateful and client.state:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                        "client_state = True, so the state would be lost")
+        if sums:
+            results = [partial_sum(block) for block in _split(results, blocks)]
+        results = [pack(r) for r in results]
         out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
         return tuple(out) if len(out) > 1 else out[0]
 

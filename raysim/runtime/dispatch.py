@@ -86,15 +86,20 @@ class Dispatch:
         if training and rnd == faults.crash_round and faults.crash_client not in cids:
             self.record.log(f"round {rnd}: faults.crash_client={faults.crash_client} is not training "
                             "this round (not selected, or dropped out), so no actor crashes")
-        vector_group = int(self.cfg.local.vectorize_group) if training and self.cfg.local.vectorize else 0
-        for a, chunk, cohorts in placement.plan(cids, work, self.n_actors, self.one_per_client, vector_group):
+        vectorized = training and bool(self.cfg.local.vectorize)
+        sums = training and int(self.cfg.server.partial_sums) > 0
+        # blocks of consecutive clients placed whole: vectorised groups, or partial sums' blocks
+        # (one size for both: the config checks), so neither depends on the number of actors
+        block = int(self.cfg.local.vectorize_group) if vectorized else int(self.cfg.server.partial_sums) if sums else 0
+        for a, chunk, blocks in placement.plan(cids, work, self.n_actors, self.one_per_client, block):
             states = [self.states.get(c) for c in chunk] if stateful else []
-            n_groups = -(-len(chunk) // group)
+            n_groups = -(-(len(blocks) if sums else len(chunk)) // group)
             n_returns = n_groups + len(states)
             data = None if a in self._attached else self.shared
             self._attached.add(a)
             refs = self.actors[a].run.options(num_returns=n_returns).remote(
-                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, cohorts, payload_arg, *states)
+                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
+                *states)
             refs = [refs] if n_returns == 1 else list(refs)
             calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
         self.seconds["broadcast"] += time.perf_counter() - t0
@@ -117,18 +122,21 @@ class Dispatch:
                 continue
             finally:
                 self.seconds["train"] += time.perf_counter() - t0
-            next_group = 1
-            for j, c in enumerate(chunk):
+            next_group, j = 1, 0  # j: the position in `chunk` of the next client
+            while j < len(chunk):
                 if not results:
                     t0 = time.perf_counter()
                     results = ray.get(group_refs[next_group])
                     self.seconds["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
-                if state_refs and result.state_changed:
-                    self.states[c] = state_refs[j]
                 self.bytes[1] += nbytes(result.update)
-                self.record.client(rnd, c, method, "ok", result=result, epochs=epochs[c])
+                for cid, n, metrics, changed in result.clients or [(chunk[j], None, None, result.state_changed)]:
+                    if state_refs and changed:
+                        self.states[cid] = state_refs[j]
+                    one = result if n is None else ClientResult(cid, n, None, metrics)
+                    self.record.client(rnd, cid, method, "ok", result=one, epochs=epochs[cid])
+                    j += 1
                 yield result
 
     # ------------------------------------------------------------------ faults and restarts
