@@ -9,6 +9,8 @@ its model w_k; the server moves `eta` of the way to their sample-weighted mean,
 
 so eta = 1 is FedAvg. Only trainable parameters take the step: buffers (BatchNorm's
 running statistics) take the plain weighted mean, as every server rule in raysim does.
+(raysim's own `algorithm=fedavg server.lr=eta` computes the same through its server parts;
+this file writes it out to show what an algorithm is made of.)
 
     PYTHONPATH=examples python -m raysim.run plugins=[my_algorithm] algorithm=server_step server_step.eta=0.5
 """

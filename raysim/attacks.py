@@ -58,7 +58,8 @@ class Adversaries:
         g = torch.Generator().manual_seed(seed_for(self.seed, rnd, client.cid, 8))
         out = dict(trained)
         for k in sorted(parameter_names(client.model)):
-            w, delta = sent[k].to(trained[k].dtype), trained[k] - sent[k].to(trained[k].dtype)
+            w = sent[k].to(trained[k].dtype)
+            delta = trained[k] - w
             if self.cfg.kind == "sign_flip":
                 out[k] = w - delta
             elif self.cfg.kind == "scaled":

@@ -11,10 +11,10 @@ averaged client update). Every optimiser here maps (x, a) to the new x:
   adam v <- β2 v + (1 - β2) Δ²; yogi v <- v - (1 - β2) Δ² sign(v - Δ²); adagrad v <- v + Δ²;
   x <- x + η m / (√v + τ); m starts at 0 and v at τ² (the paper's v_{-1} ≥ τ²).
 
-Reference: Reddi et al.'s Algorithm 2 and Flower's FedOpt family (adap/flower,
-flwr/server/strategy/fedadam.py, fedyogi.py, fedadagrad.py, fedavgm.py): the same updates;
-Flower starts v at 0 rather than τ² and its FedAdam also applies Adam's bias correction
-to η, which the paper does not. The optimiser sees trainable parameters only: buffers
+Reference: Reddi et al.'s Algorithm 2, which this follows (v's start at τ², no bias
+correction), and Flower's FedOpt family (adap/flower, flwr/server/strategy/fedadam.py,
+fedyogi.py, fedadagrad.py, fedavgm.py) for the same updates; where an implementation
+initialises or corrects differently, raysim follows the paper. The optimiser sees trainable parameters only: buffers
 take the plain weighted mean (raysim.aggregation.ServerRule). State (m, v, the velocity)
 is checkpointed through `state_dict`.
 """
