@@ -4,7 +4,7 @@ client-id order; buffers take the plain weighted mean (raysim.aggregation.Server
 
 - `mean`: the sample-weighted mean (FedAvg), kept as a running sum: O(model) memory.
 - `median`: the coordinate-wise median, unweighted; with an even count, the mean of the two
-  middle values (Yin et al. 2018; numpy's and Flower's `FedMedian` convention).
+  middle values (Yin et al. 2018; numpy's `median` convention).
 - `trimmed_mean`: per coordinate, drop the floor(`server.trim` * n) largest and smallest
   values and average the rest, unweighted (Yin et al. 2018; Flower's `FedTrimmedAvg`).
 - `krum`: the client model whose summed squared distance to its n - f - 2 nearest others is
