@@ -22,12 +22,13 @@ def server(**kw):
 X0, AGG = [1.0, -2.0], [[2.0, -2.5], [1.5, -1.0], [0.0, 0.5]]  # the aggregate a_t of rounds 1-3
 
 
-def by_hand(kind: str, lr=0.1, b1=0.9, b2=0.99, tau=1e-3):
-    """Reddi et al. 2021, Algorithm 2, in plain Python floats, one coordinate at a time."""
+def by_hand(kind: str, lr=0.1, b1=0.9, b2=0.99, tau=1e-3, flower=False):
+    """Reddi et al. 2021, Algorithm 2, in plain Python floats, one coordinate at a time;
+    `flower`: Flower's FedOpt (v from 0; FedAdam's step times √(1-β2^(t+1)) / (1-β1^(t+1)))."""
     out = []
     for i, x in enumerate(X0):
-        m, v = 0.0, tau ** 2
-        for a in AGG:
+        m, v = 0.0, (0.0 if flower else tau ** 2)
+        for t, a in enumerate(AGG, start=1):
             d = a[i] - x
             m = b1 * m + (1 - b1) * d
             if kind == "adam":
@@ -36,7 +37,8 @@ def by_hand(kind: str, lr=0.1, b1=0.9, b2=0.99, tau=1e-3):
                 v = v - (1 - b2) * d * d * math.copysign(1.0, v - d * d) if v != d * d else v
             else:
                 v = v + d * d
-            x = x + lr * m / (math.sqrt(v) + tau)
+            eta = lr * math.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1)) if flower and kind == "adam" else lr
+            x = x + eta * m / (math.sqrt(v) + tau)
         out.append(x)
     return out
 
@@ -52,6 +54,20 @@ def test_adaptive_optimisers_follow_reddi_et_al_over_three_rounds(kind):
     fresh = SERVER_OPTIMIZERS.get(kind)(server(optimizer=kind, lr=0.1))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.step(x, {"w": x["w"] + 1})["w"], opt.step(x, {"w": x["w"] + 1})["w"])  # state carried
+
+
+@pytest.mark.parametrize("kind", ["adam", "yogi", "adagrad"])
+def test_server_fedopt_flower_follows_flowers_fedopt_over_three_rounds(kind):
+    opt = SERVER_OPTIMIZERS.get(kind)(server(optimizer=kind, lr=0.1, tau=1e-3, fedopt="flower"))
+    x = {"w": torch.tensor(X0, dtype=torch.float64)}
+    for a in AGG:
+        x = opt.step(x, {"w": torch.tensor(a, dtype=torch.float64)})
+    want = by_hand(kind, flower=True)
+    assert torch.allclose(x["w"], torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert want != by_hand(kind)  # the two conventions do differ on these numbers
+    fresh = SERVER_OPTIMIZERS.get(kind)(server(optimizer=kind, lr=0.1, fedopt="flower"))
+    fresh.load_state_dict(opt.state_dict())  # the step count resumes too (FedAdam's correction)
+    assert torch.equal(fresh.step(x, {"w": x["w"] + 1})["w"], opt.step(x, {"w": x["w"] + 1})["w"])
 
 
 def test_sgd_and_momentum():
@@ -134,6 +150,7 @@ def test_buffers_take_the_plain_weighted_mean_under_every_part(aggregator, optim
      "needs more than 10 clients per round (Krum's n > 2f + 2); this run has 10"),
     (["server.aggregator=mode"], "server.aggregator='mode' is not a known aggregator; choose one of: geometric_median,"),
     (["server.trim=0.5"], "server.trim must be in [0, 0.5)"),
+    (["server.fedopt=pytorch"], "server.fedopt must be reddi or flower, got 'pytorch'"),
 ])
 def test_a_part_an_algorithm_does_not_take_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:

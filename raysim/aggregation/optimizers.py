@@ -12,9 +12,17 @@ averaged client update). Every optimiser here maps (x, a) to the new x:
   x <- x + η m / (√v + τ); m starts at 0 and v at τ² (the paper's v_{-1} ≥ τ²).
 
 Reference: Reddi et al.'s Algorithm 2, which this follows (v's start at τ², no bias
-correction), and Flower's FedOpt family (adap/flower, flwr/server/strategy/fedadam.py,
-fedyogi.py, fedadagrad.py, fedavgm.py) for the same updates; where an implementation
-initialises or corrects differently, raysim follows the paper. The optimiser sees trainable parameters only: buffers
+correction). Flower's FedOpt family (adap/flower, flwr/server/strategy/fedadam.py,
+fedyogi.py, fedadagrad.py; read 2026-11) makes the same m and v updates but starts v at 0,
+and its FedAdam scales η by √(1 - β2^(t+1)) / (1 - β1^(t+1)) in server round t (Kingma &
+Ba's bias correction, shifted by one; here t counts the optimiser's steps, which is the round
+when every round steps); `server.fedopt=flower` does exactly that, for
+comparing with numbers made with Flower. The paper's way stays the default: it is what the
+paper's tables measure. With τ small the two differ mainly in FedAdam's step size: Flower's
+factor is 0.74 in round 1, 0.47-0.54 in rounds 5-30 and 0.80 by round 100 (β 0.9 / 0.99),
+so its FedAdam moves about half as far at the same `server.lr`. Flower's defaults (τ 1e-9, η 0.1) are not
+taken: set `server.tau` / `server.lr`. Flower also steps BatchNorm statistics; raysim never
+does (below). The optimiser sees trainable parameters only: buffers
 take the plain weighted mean (raysim.aggregation.ServerRule). State (m, v, the velocity)
 is checkpointed through `state_dict`.
 """
@@ -77,36 +85,48 @@ class Momentum(ServerOptimizer):
 class Adaptive(ServerOptimizer):
     """FedOpt's shared part: the first moment m and the step; `second_moment` differs."""
 
+    bias_corrected = False  # server.fedopt=flower: Flower corrects FedAdam's step only
+
     def __init__(self, server_cfg):
         super().__init__(server_cfg)
         self.beta1, self.beta2, self.tau = float(server_cfg.beta1), float(server_cfg.beta2), float(server_cfg.tau)
+        self.flower = server_cfg.get("fedopt", "reddi") == "flower"
+        self.v_start = 0.0 if self.flower else self.tau ** 2
         self.m: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        self.t = 0  # steps taken: Flower's server round
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def step(self, x, a):
+        self.t += 1
+        lr = self.lr
+        if self.flower and self.bias_corrected:
+            lr = lr * (1 - self.beta2 ** (self.t + 1)) ** 0.5 / (1 - self.beta1 ** (self.t + 1))
         new = {}
         for k, w in x.items():
             delta = a[k] - w
             m = self.m.get(k, torch.zeros_like(w))
-            v = self.v.get(k, torch.full_like(w, self.tau ** 2))
+            v = self.v.get(k, torch.full_like(w, self.v_start))
             m = self.beta1 * m + (1 - self.beta1) * delta
             v = self.second_moment(v, delta * delta)
             self.m[k], self.v[k] = m, v
-            new[k] = w + self.lr * m / (v.sqrt() + self.tau)
+            new[k] = w + lr * m / (v.sqrt() + self.tau)
         return new
 
     def state_dict(self) -> dict:
-        return {"m": dict(self.m), "v": dict(self.v)}
+        return {"m": dict(self.m), "v": dict(self.v), "t": self.t}
 
     def load_state_dict(self, state: dict) -> None:
         self.m, self.v = dict(state.get("m", {})), dict(state.get("v", {}))
+        self.t = int(state.get("t", 0))
 
 
 @SERVER_OPTIMIZERS.register("adam")
 class Adam(Adaptive):
+    bias_corrected = True
+
     def second_moment(self, v, d2):
         return self.beta2 * v + (1 - self.beta2) * d2
 

@@ -142,6 +142,7 @@ class ServerConfig:
     beta1: float = 0.9  # adam / yogi / adagrad: first moment
     beta2: float = 0.99  # adam / yogi: second moment
     tau: float = 1e-3  # adam / yogi / adagrad: adaptivity (v starts at tau^2)
+    fedopt: str = "reddi"  # reddi (the paper: v starts at tau^2, no bias correction) | flower (Flower's FedOpt: v starts at 0, adam's step bias-corrected)
     trim: float = 0.1  # trimmed_mean: the share cut at each end, per coordinate
     byzantine: int = 0  # krum / multi_krum: f, the attackers tolerated (needs a cohort > 2f + 2)
     krum_m: int = 1  # multi_krum: how many of the best-scored models are averaged

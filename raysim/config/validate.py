@@ -185,6 +185,7 @@ def check_server(cfg: DictConfig, need) -> None:
     for key in ("momentum", "beta1", "beta2"):
         need(0 <= sv[key] < 1, f"server.{key} must be in [0, 1), got {sv[key]}")
     need(sv.tau > 0, f"server.tau must be > 0, got {sv.tau}")
+    need(sv.fedopt in ("reddi", "flower"), f"server.fedopt must be reddi or flower, got {sv.fedopt!r}")
     need(0 <= sv.trim < 0.5, f"server.trim must be in [0, 0.5) (the share cut at each end), got {sv.trim}")
     need(sv.byzantine >= 0, f"server.byzantine must be >= 0, got {sv.byzantine}")
     need(sv.krum_m >= 1, f"server.krum_m must be >= 1, got {sv.krum_m}")
