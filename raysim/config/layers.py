@@ -178,9 +178,13 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
     for _, data in layers:  # plugin modules first: they add sections to the schema
         plugins = data.get("plugins") or []
         registry.import_modules(plugins if isinstance(plugins, list) else [plugins])
-    cfg = schema()
-    for source, data in layers:
-        cfg = _merge(cfg, data, source)
+    try:  # one merge (one copy of the schema) for all layers; on an error, find its layer
+        cfg = OmegaConf.merge(schema(), *(data for _, data in layers))
+    except OmegaConfBaseException:
+        cfg = schema()
+        for source, data in layers:  # again one at a time: _merge names the layer at fault
+            cfg = _merge(cfg, data, source)
+        raise
     validate(cfg)
     check_sections(layers, cfg)
     name_plugins_used(cfg)
