@@ -265,9 +265,10 @@ def test_a_second_simulate_names_the_plugin_it_runs_and_a_reimported_plugin_repl
 SWEEP = ["seed=0,1", "algorithm=fedavg", "model=mclr", "rounds=1", "num_clients=4"]
 
 
-def test_a_sweep_never_reports_another_configs_results(tmp_path):
+def test_a_sweep_never_reports_another_configs_results(tmp_path, capsys):
     """A finished sweep rerun with other fixed values into the same folder is refused by
-    key; output_dir= is honoured and run_name= refused with the flag to use."""
+    key (before Ray starts: in this process); output_dir= is honoured and run_name= refused
+    with the flag to use."""
     from raysim.sweep import main as sweep
 
     r = subprocess.run([sys.executable, "-m", "raysim.sweep", *SWEEP, f"output_dir={tmp_path / 'out'}", "--name", "s"],
@@ -278,10 +279,9 @@ def test_a_sweep_never_reports_another_configs_results(tmp_path):
     for changed, says in ((["local.lr=0.5"], "local.lr was 0.05, is 0.5"), (["rounds=2"], "rounds was 1, is 2"),
                           (["algorithm=fedprox"], "algorithm was 'fedavg', is 'fedprox'")):
         args = [a for a in SWEEP if a.split("=")[0] not in {c.split("=")[0] for c in changed}] + changed
-        r = subprocess.run([sys.executable, "-m", "raysim.sweep", *args, "--output-dir", str(tmp_path / "out"),
-                            "--name", "s"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-        assert r.returncode == 2 and "holds a finished run of another config" in r.stderr and says in r.stderr, \
-            r.stderr
+        assert sweep([*args, "--output-dir", str(tmp_path / "out"), "--name", "s"]) == 2
+        err = capsys.readouterr().err
+        assert "holds a finished run of another config" in err and says in err, err
     assert sweep([*SWEEP, "run_name=x", "--output-dir", str(tmp_path)]) == 2
 
 
