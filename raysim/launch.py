@@ -58,7 +58,12 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
     """Read and resolve the config and check everything that needs no data (names, keys,
     values, the run directory, a resumed run's checkpoint): before Ray starts."""
     layers = read_layers(config_files, overrides)
-    cfg = resolve(layers, os.getcwd())
+    return layers, check_layers(layers, os.getcwd(), say)
+
+
+def check_layers(layers: list, cwd: str, say: Say = quiet):
+    """`check` from the layers read (the warm service's server runs it for the command)."""
+    cfg = resolve(layers, cwd)
     if cfg.resume:
         from raysim.runtime.checkpoint import load_checked
         from raysim.runtime.run_lock import check_free
@@ -72,7 +77,7 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
         run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
     for line in describe_layers(layers, cfg):
         say(line)
-    return layers, cfg
+    return cfg
 
 
 def check_finished(cfg) -> None:
@@ -141,37 +146,56 @@ def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, 
     return first, OmegaConf.create(cfg)
 
 
+class SessionServers:
+    """Where `drive` gets its server actor: the one a finished run of this Ray session left
+    (`ray.reuse_workers`, runtime/pool.py), or a new one on this node (it writes the run
+    directory here). The warm service's counterpart is `raysim.service.WarmServers`."""
+
+    def take(self, reuse: bool, name: str, say: Say):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from raysim.runtime import pool
+        from raysim.runtime.server_actor import ServerActor
+
+        server = pool.warm_server(reuse)
+        if server is not None:
+            say("the server and client actors of the last run are reused (ray.reuse_workers); loading the data")
+            return server
+        here = ray.get_runtime_context().get_node_id()
+        say("starting the server: it loads and partitions the data while the client actors start")
+        return ServerActor.options(name=name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+
+    def give_back(self, server, keep: bool, plugins) -> None:
+        import ray
+
+        from raysim.runtime import pool
+
+        if keep:
+            pool.keep_server(server, plugins)
+        else:
+            ray.kill(server)  # and the client actors it owns
+
+
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-           server_name: str = "raysim-server") -> dict:
+           server_name: str = "raysim-server", servers=None) -> dict:
     """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
     from raysim.runtime.run_lock import RunLock
 
     with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
-        return drive(layers, cfg, t_start, progress, say, server_name)
+        return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers())
 
 
 def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-          server_name: str = "raysim-server") -> dict:
-    """Start the server actor on this node (it writes the run directory here), or take the
-    one a finished run of this session left (`ray.reuse_workers`, runtime/pool.py), wait for
-    the client actors, run every round, return the summary. `server_name`: the server
-    actor's name (a sweep's points that run at once each have their own)."""
+          server_name: str = "raysim-server", servers=None) -> dict:
+    """Take a server actor from `servers` (SessionServers by default), wait for the client
+    actors, run every round, return the summary. `server_name`: the server actor's name (a
+    sweep's points that run at once each have their own)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raysim.runtime import pool
-    from raysim.runtime.server_actor import ServerActor
-
+    servers = servers or SessionServers()
     reuse = bool(cfg.ray.reuse_workers)
-    server = pool.warm_server(reuse)
-    if server is None:
-        here = ray.get_runtime_context().get_node_id()
-        server = ServerActor.options(
-            name=server_name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        ).remote()
-        say("starting the server: it loads and partitions the data while the client actors start")
-    else:
-        say("the server and client actors of the last run are reused (ray.reuse_workers); loading the data")
+    server = servers.take(reuse, server_name, say)
     bar = None
     run_dir = None
     keep = False
@@ -226,10 +250,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     finally:
         if bar is not None:
             bar.close()
-        if keep and reuse:
-            pool.keep_server(server, cfg.plugins)
-        else:
-            ray.kill(server)  # and the client actors it owns
+        servers.give_back(server, keep and reuse, cfg.plugins)
 
 
 def _is_ours(e: BaseException) -> bool:

@@ -11,6 +11,7 @@ stopped on every way out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 
 
 def _main(args, say, t_start: float) -> int:
+    on_service = contextlib.ExitStack()  # the warm service's lock and connection, when it runs the command
+    servers = None
+    started = False
     try:
         if args.list:
             print(list_plugins(args.overrides))
@@ -122,15 +126,22 @@ def _main(args, say, t_start: float) -> int:
             raise ConfigError("--plot FILE draws the partition: give it with --show-partition")
         if args.print_config or args.show_partition:
             return _local(args, say)
-        layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
-        started = start_ray(cfg.ray, say, command=True)
+        addr = _service_address(args)
+        if addr is not None:
+            layers, cfg, servers = _check_on_service(args, addr, say, on_service)
+        else:
+            layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
+            started = start_ray(cfg.ray, say, command=True)
     except ConfigError as e:
+        on_service.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NothingToDo as e:
+        on_service.close()
         print(str(e), file=sys.stderr)
         return 0
     except RunFailed as e:
+        on_service.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -140,7 +151,7 @@ def _main(args, say, t_start: float) -> int:
         signal.signal(signal.SIGTERM, _terminate)
         signal.signal(signal.SIGINT, _terminate)
     try:
-        summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
+        summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=servers)
     except ConfigError as e:  # raised by the server while checking the data, before anything is written
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -154,6 +165,7 @@ def _main(args, say, t_start: float) -> int:
         print(str(e), file=sys.stderr)
         return 130
     finally:
+        on_service.close()
         if started:
             ray.shutdown()  # the local Ray we started, its agents included
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
@@ -166,6 +178,56 @@ def _main(args, say, t_start: float) -> int:
               f"{summary['wall_seconds']:.1f} s")
     print(f"results: {summary['run_dir']}")
     return 0
+
+
+def _service_address(args):
+    """The warm service's address (raysim/service.py) when it runs and the command names no
+    `ray.address` of its own; else None."""
+    from raysim import service
+
+    addr = service.address()
+    if addr is None:
+        return None
+    from raysim.config import read_layers
+
+    for _, data in reversed(read_layers(args.config, args.overrides)):
+        ray_layer = data.get("ray")
+        if isinstance(ray_layer, dict) and "address" in ray_layer:
+            return None if ray_layer["address"] else addr
+    return addr
+
+
+def _check_on_service(args, addr: str, say, on_service: contextlib.ExitStack):
+    """Join the service, wait for its lock, and check the config in its warm server (this
+    process then imports no torch): (layers, config, the service's servers for `launch`)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from raysim import service
+    from raysim.config import read_layers
+
+    layers = read_layers(args.config, args.overrides)
+    say(f"using the raysim service at {addr} (python -m raysim.down stops it)")
+    try:
+        service.connect(addr)
+    except Exception as e:  # noqa: BLE001
+        raise RunFailed(f"cannot join the raysim service at {addr} ({type(e).__name__}: {str(e)[:200]}); "
+                        "`python -m raysim.down` stops it, then the command runs on its own") from None
+    import ray  # imported by connect, which sets Ray's loopback switch first
+
+    on_service.callback(ray.shutdown)  # leaves the service's Ray: this driver only
+    on_service.enter_context(service.one_run_at_a_time(say))
+    servers = service.WarmServers()
+    try:
+        lines, cfg = ray.get(servers.checker(say).check.remote(layers, os.getcwd()))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (ConfigError, NothingToDo)):
+            raise e.cause from None
+        raise RunFailed(f"checking the config failed: {type(e.cause).__name__}: {e.cause}") from None
+    for line in lines:
+        say(line)
+    return layers, OmegaConf.create(cfg), servers
 
 
 def _terminate(signum, frame):

@@ -20,9 +20,31 @@ class ServerActor:
         import raysim.runtime.server  # noqa: F401  (torch and the rest, while the caller waits anyway)
 
         self.server = None
+        self.plugins, self.stamp = [], None  # the warm service's record (raysim/service.py)
 
     def ping(self) -> bool:
         return True
+
+    def kept(self) -> tuple:
+        """(plugin modules imported, the code stamp they and raysim had when the last run ended)."""
+        return self.plugins, self.stamp
+
+    def keep(self, plugins: list, stamp: tuple) -> None:
+        self.plugins, self.stamp = list(plugins), stamp
+
+    def check(self, layers: list, cwd: str) -> tuple:
+        """`launch.check_layers` here (the service's command imports no torch): (the lines to
+        say, the resolved config as plain containers)."""
+        import os
+
+        from omegaconf import OmegaConf
+
+        from raysim.launch import check_layers
+
+        os.chdir(cwd)
+        lines: list = []
+        cfg = check_layers(layers, cwd, lines.append)
+        return lines, OmegaConf.to_container(cfg)
 
     def setup(self, layers: list, cwd: str, t_start: float) -> dict:
         from raysim.runtime.server import FederatedServer
