@@ -43,6 +43,8 @@ def folder() -> Path:
 def address() -> Optional[str]:
     """The running service's GCS address, or None (no address file, or nothing listens there)."""
     try:
+        if folder().stat().st_uid != os.getuid():  # another user's folder in a shared temp: not ours to use
+            return None
         addr = (folder() / "address").read_text().strip()
         host, port = addr.rsplit(":", 1)
         socket.create_connection((host, int(port)), timeout=1).close()

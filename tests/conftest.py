@@ -6,6 +6,9 @@ import pytest
 
 SUPPORT = str(Path(__file__).parent / "support")
 sys.path.insert(0, SUPPORT)
+# A warm service the developer started (python -m raysim.up) must not run the tests' commands:
+# they see a service folder of their own (tests/test_service.py starts one there).
+os.environ["RAYSIM_SERVICE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"raysim-tests-{os.getpid()}")
 # Ray worker processes inherit the environment of the process that starts Ray.
 os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
