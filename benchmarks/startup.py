@@ -15,7 +15,11 @@ process started; the phases are the gaps between them:
 A plain loop (this file with --plain) pays only its imports and data before its round 1.
 Then the same workload through `raysim.simulate` in one Python process, call after call: the
 first call starts Ray and the workers, the later ones reuse them (`ray.reuse_workers`), which
-is what a notebook or a sweep sees. Medians over the repeats; the machine should be idle.
+is what a notebook or a sweep sees. Last, the same command on the warm local service
+(`python -m raysim.up`, started here in a folder of its own): its phases are the command's
+imports, joining the service's Ray and checking the config in its server, the data, the
+client actors (reused after the first command) and round 1. Medians over the repeats; the
+machine should be idle.
 """
 from __future__ import annotations
 
@@ -39,18 +43,23 @@ MARKS = [("imports + config", "config:"), ("Ray start", "starting the server"), 
 STAMP = re.compile(r"raysim \[\s*([\d.]+) s\] (.*)")
 
 
-def one_run(args: list[str], out: str, name: str) -> dict:
+# on the warm service (python -m raysim.up): the command joins its Ray, its server checks the config
+SERVICE_MARKS = [("imports", "using the raysim service"), ("join + check", "config:"),
+                 ("server + data", "data ready"), ("client actors", "run directory")]
+
+
+def one_run(args: list[str], out: str, name: str, marks=MARKS, env=None) -> dict:
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={out}", f"run_name={name}"],
-                       capture_output=True, text=True, check=True)
+                       capture_output=True, text=True, check=True, env=env)
     stamps = [(float(m.group(1)), m.group(2)) for m in map(STAMP.match, r.stderr.splitlines()) if m]
     at = {}
-    for label, prefix in MARKS:
+    for label, prefix in marks:
         at[label] = next(t for t, line in stamps if line.startswith(prefix))
     summary = json.loads((Path(out) / name / "summary.json").read_text())
     at["round 1"] = summary["seconds_to_end_of_round_1"]
     phases, before = {}, 0.0
-    for label in [m for m, _ in MARKS] + ["round 1"]:
+    for label in [m for m, _ in marks] + ["round 1"]:
         phases[label] = at[label] - before
         before = at[label]
     phases["end of round 1"] = at["round 1"]
@@ -82,6 +91,27 @@ def in_one_session(args: list[str], out: str, name: str, calls: int) -> list[flo
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def on_service(args: list[str], out: str, name: str, repeats: int) -> tuple[dict, list[dict]]:
+    """The command on a warm service started for the purpose: (its first run, which starts
+    the workload's client actors, and the `repeats` after it)."""
+    import os
+
+    with tempfile.TemporaryDirectory(prefix="rs-") as folder:
+        env = dict(os.environ, RAYSIM_SERVICE_DIR=folder)
+        subprocess.run([sys.executable, "-m", "raysim.up"], check=True, env=env, capture_output=True)
+        try:
+            runs = [one_run(args, out, f"{name}-service-{i}", SERVICE_MARKS, env) for i in range(1 + repeats)]
+        finally:
+            subprocess.run([sys.executable, "-m", "raysim.down"], env=env, capture_output=True)
+    return runs[0], runs[1:]
+
+
+def show(runs: list[dict]) -> None:
+    for label in runs[0]:
+        vals = [r[label] for r in runs]
+        print(f"  {label:<18} {statistics.median(vals):6.2f}   ({', '.join(f'{v:.2f}' for v in vals)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
@@ -94,15 +124,17 @@ def main() -> None:
             runs = [one_run(WORKLOADS[w], out, f"{w}-{i}") for i in range(a.repeats)]
             plain = statistics.median(plain_start(WORKLOADS[w]) for _ in range(a.repeats))
             print(f"\n{w}: {' '.join(WORKLOADS[w])}")
-            for label in runs[0]:
-                vals = [r[label] for r in runs]
-                print(f"  {label:<18} {statistics.median(vals):6.2f}   ({', '.join(f'{v:.2f}' for v in vals)})")
+            show(runs)
             print(f"  {'plain: imports + data':<18} {plain:6.2f}   (a process that imports torch and raysim's "
                   "data code and loads the same data, no training)")
             session = in_one_session(WORKLOADS[w], out, w, 1 + a.repeats)
             print(f"  raysim.simulate in one process, call to end of round 1: first {session[0]:.2f}, then "
                   f"{statistics.median(session[1:]):.2f} (median; {', '.join(f'{v:.2f}' for v in session[1:])}: "
                   "workers reused)")
+            first, warm = on_service(WORKLOADS[w], out, w, a.repeats)
+            print(f"  on the warm service (python -m raysim.up); its first command of this workload ended round 1 "
+                  f"at {first['end of round 1']:.2f} s (it starts the client actors), then:")
+            show(warm)
 
 
 if __name__ == "__main__":

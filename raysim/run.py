@@ -126,9 +126,9 @@ def _main(args, say, t_start: float) -> int:
             raise ConfigError("--plot FILE draws the partition: give it with --show-partition")
         if args.print_config or args.show_partition:
             return _local(args, say)
-        addr = _service_address(args)
+        addr, layers = _service_address(args)
         if addr is not None:
-            layers, cfg, servers = _check_on_service(args, addr, say, on_service)
+            cfg, servers = _check_on_service(layers, addr, say, on_service)
         else:
             layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
             started = start_ray(cfg.ray, say, command=True)
@@ -180,34 +180,33 @@ def _main(args, say, t_start: float) -> int:
     return 0
 
 
-def _service_address(args):
-    """The warm service's address (raysim/service.py) when it runs and the command names no
-    `ray.address` of its own; else None."""
+def _service_address(args) -> tuple:
+    """(the warm service's address, the config layers) when the service runs (raysim/service.py)
+    and the command names no `ray.address` of its own; else (None, None)."""
     from raysim import service
 
     addr = service.address()
     if addr is None:
-        return None
+        return None, None
     from raysim.config import read_layers
 
-    for _, data in reversed(read_layers(args.config, args.overrides)):
+    layers = read_layers(args.config, args.overrides)
+    for _, data in reversed(layers):
         ray_layer = data.get("ray")
         if isinstance(ray_layer, dict) and "address" in ray_layer:
-            return None if ray_layer["address"] else addr
-    return addr
+            return (None, None) if ray_layer["address"] else (addr, layers)
+    return addr, layers
 
 
-def _check_on_service(args, addr: str, say, on_service: contextlib.ExitStack):
+def _check_on_service(layers: list, addr: str, say, on_service: contextlib.ExitStack):
     """Join the service, wait for its lock, and check the config in its warm server (this
-    process then imports no torch): (layers, config, the service's servers for `launch`)."""
+    process then imports no torch): (the config, the service's servers for `launch`)."""
     import os
 
     from omegaconf import OmegaConf
 
     from raysim import service
-    from raysim.config import read_layers
 
-    layers = read_layers(args.config, args.overrides)
     say(f"using the raysim service at {addr} (python -m raysim.down stops it)")
     try:
         service.connect(addr)
@@ -227,7 +226,7 @@ def _check_on_service(args, addr: str, say, on_service: contextlib.ExitStack):
         raise RunFailed(f"checking the config failed: {type(e.cause).__name__}: {e.cause}") from None
     for line in lines:
         say(line)
-    return layers, OmegaConf.create(cfg), servers
+    return OmegaConf.create(cfg), servers
 
 
 def _terminate(signum, frame):
