@@ -49,6 +49,17 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM: the rounds that ran are kept; the message says how to resume."""
 
 
+class StoreTooSmall(Exception):
+    """The training data would crowd the local Ray's object store: restart it with `size`
+    bytes (nothing was written yet)."""
+
+    def __init__(self, size: int, data_bytes: int, store_bytes: float):
+        self.size = size
+        super().__init__(f"the training data ({data_bytes / 2**30:.1f} GB) would take {data_bytes / store_bytes:.0%} "
+                         f"of the local Ray's object store ({store_bytes / 2**30:.1f} GB, Ray's default): restarting "
+                         f"it with {size / 2**30:.1f} GB (ray.object_store_gb sets it yourself)")
+
+
 class RunFailed(Exception):
     """An exception raised by an algorithm's, selection's or plugin's code during a round.
     The message is a few lines: the exception, where it was raised; log.txt has the rest."""
@@ -178,19 +189,21 @@ class SessionServers:
 
 
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-           server_name: str = "raysim-server", servers=None) -> dict:
+           server_name: str = "raysim-server", servers=None, size_store: bool = False) -> dict:
     """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
     from raysim.runtime.run_lock import RunLock
 
     with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
-        return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers())
+        return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers(), size_store)
 
 
 def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
-          server_name: str = "raysim-server", servers=None) -> dict:
+          server_name: str = "raysim-server", servers=None, size_store: bool = False) -> dict:
     """Take a server actor from `servers` (SessionServers by default), wait for the client
     actors, run every round, return the summary. `server_name`: the server actor's name (a
-    sweep's points that run at once each have their own)."""
+    sweep's points that run at once each have their own). `size_store`: the caller started
+    this Ray with the default object store and can restart it: `StoreTooSmall` when the data
+    loaded would crowd it and the machine has room for a bigger one."""
     import ray
 
     servers = servers or SessionServers()
@@ -201,6 +214,10 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     keep = False
     try:
         info = ray.get(server.setup.remote(layers, os.getcwd(), t_start))
+        if size_store:
+            size = store_size_for_this_machine(info["data_bytes"], info["store_bytes"])
+            if size is not None:
+                raise StoreTooSmall(size, info["data_bytes"], info["store_bytes"])
         if info.get("notice"):
             print(f"note: {info['notice']}", file=sys.stderr)
         say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
@@ -251,6 +268,20 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         if bar is not None:
             bar.close()
         servers.give_back(server, keep and reuse, cfg.plugins)
+
+
+def store_size_for_this_machine(data_bytes: int, store_bytes: float):
+    import shutil
+
+    import psutil
+
+    from raysim.runtime.placement import store_size_for
+
+    try:
+        shm = shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm (macOS): Ray's store is a file elsewhere; memory decides
+        shm = psutil.virtual_memory().available
+    return store_size_for(data_bytes, store_bytes, psutil.virtual_memory().available, shm)
 
 
 def _is_ours(e: BaseException) -> bool:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
-from raysim.launch import Interrupted, RunFailed, ServerDied, check_apart, launch, quiet, say_on_stderr
+from raysim.launch import (Interrupted, RunFailed, ServerDied, StoreTooSmall, check_apart, launch, quiet,
+                           say_on_stderr)
 from raysim.runtime.ray_session import start_ray
 
 
@@ -151,7 +152,15 @@ def _main(args, say, t_start: float) -> int:
         signal.signal(signal.SIGTERM, _terminate)
         signal.signal(signal.SIGINT, _terminate)
     try:
-        summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=servers)
+        try:  # a local Ray we started with Ray's default store is resized once if the data need it
+            summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=servers,
+                             size_store=started and not cfg.ray.object_store_gb)
+        except StoreTooSmall as e:
+            print(f"note: {e}", file=sys.stderr)
+            ray.shutdown()
+            cfg.ray.object_store_gb = e.size / 2**30
+            started = start_ray(cfg.ray, say, command=True)
+            summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
     except ConfigError as e:  # raised by the server while checking the data, before anything is written
         print(f"error: {e}", file=sys.stderr)
         return 2

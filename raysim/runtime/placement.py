@@ -92,3 +92,16 @@ def store_notice(data_bytes: int, store_bytes: float) -> Optional[str]:
     return (f"the training data ({data_bytes / 2**30:.1f} GB) take {data_bytes / store_bytes:.0%} of Ray's object "
             f"store ({store_bytes / 2**30:.1f} GB): Ray spills what does not fit to disk, which slows every round; "
             "give it more room (ray.object_store_gb=..., on a local Ray) or use fewer or smaller clients")
+
+
+def store_size_for(data_bytes: int, store_bytes: float, available_bytes: float, shm_bytes: float) -> Optional[int]:
+    """The object store a local Ray should be restarted with so that the training data take
+    at most 60 % of it (room for the rounds' models), in bytes rounded up to 0.5 GiB; None
+    when the data fit the store already (at most 70 %, `store_notice`'s line) or no such store
+    fits this machine: at most half of the memory available and 90 % of /dev/shm (Ray's
+    store lives there)."""
+    if not store_bytes or data_bytes <= 0.7 * store_bytes:
+        return None
+    half = 2**29
+    want = -(-int(data_bytes / 0.6) // half) * half
+    return want if want <= min(0.5 * available_bytes, 0.9 * shm_bytes) else None

@@ -81,9 +81,11 @@ class FederatedServer:
         self.adversaries = Adversaries(self.cfg, self.num_clients)  # who attacks, for the record
         self.num_classes = num_classes
         self.input_shape = data.input_shape
-        self.store_notice = placement.store_notice(data.x_train.nbytes + data.y_train.nbytes,
-                                                   ray.cluster_resources().get("object_store_memory", 0))
+        data_bytes, store_bytes = data.x_train.nbytes + data.y_train.nbytes, ray.cluster_resources().get(
+            "object_store_memory", 0)
+        self.store_notice = placement.store_notice(data_bytes, store_bytes)
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
+                "data_bytes": int(data_bytes), "store_bytes": float(store_bytes),
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
 
     def placed(self, timeout: float) -> int:
