@@ -85,6 +85,70 @@ def run_raysim(name: str, extra: list[str]) -> dict:
     }
 
 
+# issue 30's scale: 1,000 clients per round, vectorised, 20-200 samples per client, N from 1,000 to 100,000
+COHORT = ["dataset=synthetic", "synthetic.samples_per_client=20", "synthetic.max_samples_per_client=200",
+          "synthetic.test_fraction=0.2", "partition=natural", "model=mclr", "clients_per_round=1000",
+          "local.batch_size=10", "local.lr=0.01", "local.momentum=0", "local.vectorize=true", "rounds=6"]
+
+
+def run_by_role(cmd: list[str], env: dict) -> tuple:
+    """Run `cmd` sampling every 0.1 s the RSS of the command itself, the server actor, the
+    client actors (summed) and Ray's own processes: (result, {role: peak RSS bytes})."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, cwd=tp.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = {"command": 0, "server": 0, "client actors": 0, "Ray": 0}
+    done = threading.Event()
+
+    def sample():
+        try:
+            top = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not done.is_set():
+            now = dict.fromkeys(peak, 0)
+            try:
+                for q in [top, *top.children(recursive=True)]:
+                    try:
+                        line = " ".join(q.cmdline())
+                        role = ("command" if q.pid == top.pid else "server" if "ServerActor" in line else
+                                "client actors" if "ClientActor" in line else "Ray")
+                        now[role] += q.memory_info().rss
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                break
+            for k, v in now.items():
+                peak[k] = max(peak[k], v)
+            done.wait(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, err = proc.communicate()
+    done.set()
+    t.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), peak
+
+
+def run_cohort(n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", *COHORT, f"num_clients={n}", "eval_every=6",
+               f"output_dir={tmp}", "run_name=r"]
+        r, peak = run_by_role(cmd, _env())
+        if r.returncode != 0:
+            raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
+        d = Path(tmp) / "r"
+        rows = pq.read_table(d / "metrics.parquet").to_pylist()
+        summary = json.loads((d / "summary.json").read_text())
+    first, later = rows[0], rows[1:]
+    return {"setup_seconds": first["elapsed"] - first["seconds"] - first["eval_seconds"],
+            "round_seconds": statistics.median(r["seconds"] for r in later),
+            "breakdown": {k: statistics.median(r[f"{k}_seconds"] for r in later)
+                          for k in ("select", "broadcast", "train", "aggregate")},
+            "samples": summary.get("train_samples"), "peak": peak}
+
+
 def run_sequential(name: str) -> dict:
     r, peak = tp.run_measured([sys.executable, str(Path(__file__).resolve()), "--sequential", name], _env())
     if r.returncode != 0:
@@ -99,6 +163,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", nargs="*", type=int, default=[100, 1000, 10000, 100000])
     p.add_argument("--actors", nargs="*", type=int, default=[1, 2, 4])
+    p.add_argument("--cohort-clients", nargs="*", type=int, default=[1000, 10000, 100000],
+                   help="N for the 1,000-per-round vectorised scale table (issue 30)")
     p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args()
@@ -144,6 +210,25 @@ def main() -> int:
             base = base or r["round_seconds"]
             print(f"{k:>8} {r['round_seconds']:>8.4f} {100 / r['round_seconds']:>10.1f} "
                   f"{s['round_seconds'] / r['round_seconds']:>13.2f}x {base / r['round_seconds']:>10.2f}x", flush=True)
+    if args.cohort_clients:
+        print("\n== cohort scale: FedAvg, mclr on FedProx Synthetic (20-200 samples/client), 1,000 clients per round, "
+              "local.vectorize, 6 rounds; peak RSS by process, MB")
+        print(f"{'clients':>8} {'set-up s':>9} {'s/round':>8} {'aggregate':>10} {'command':>8} {'server':>7} "
+              f"{'actors':>7} {'Ray':>6} {'server per extra client':>24}")
+        results["cohort"] = {}
+        prev = None
+        for n in args.cohort_clients:
+            r = run_cohort(n)
+            results["cohort"][n] = r
+            pk = r["peak"]
+            extra = f"{(pk['server'] - prev[1]) / (n - prev[0]):>18.0f} bytes" if prev else f"{'':>24}"
+            print(f"{n:>8} {r['setup_seconds']:>9.2f} {r['round_seconds']:>8.3f} {r['breakdown']['aggregate']:>10.4f} "
+                  f"{pk['command'] / 2**20:>8.0f} {pk['server'] / 2**20:>7.0f} {pk['client actors'] / 2**20:>7.0f} "
+                  f"{pk['Ray'] / 2**20:>6.0f} {extra}", flush=True)
+            prev = (n, pk["server"])
+        last = results["cohort"][args.cohort_clients[-1]]["breakdown"]
+        print(f"round breakdown at {args.cohort_clients[-1]} clients (median s): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in last.items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -177,3 +177,19 @@ def test_corrupt_idx_files_are_named_and_leave_nothing_behind(tmp_path):
     out.write_bytes(out.read_bytes()[:-5])
     with pytest.raises(ConfigError, match=f"{out} is corrupt or truncated"):
         load_dataset(cfg)
+
+
+def test_synthetic_sizes_drawn_in_a_range():
+    import numpy as np
+
+    from raysim.config import ConfigError, load_config
+    from raysim.data.datasets import Synthetic
+
+    base = ["dataset=synthetic", "partition=natural", "model=mclr", "num_clients=300", "synthetic.samples_per_client=20"]
+    cfg = load_config(overrides=[*base, "synthetic.max_samples_per_client=200"])
+    sizes = Synthetic.sizes(cfg, np.random.default_rng([0, 7]))
+    assert sizes.min() >= 20 and sizes.max() <= 200 and len(set(sizes.tolist())) > 50
+    data = Synthetic.load(cfg)  # the load draws the same sizes: 80 % of each user's samples train
+    assert abs(len(data.x_train) + len(data.x_test) - int(sizes.sum())) == 0
+    with pytest.raises(ConfigError, match="max_samples_per_client=10 must be above"):
+        load_config(overrides=[*base, "synthetic.max_samples_per_client=10"])

@@ -398,12 +398,16 @@ class SyntheticOptions(Options):
     dim: int = option(60, at_least=1)
     num_classes: int = option(10, at_least=2)
     samples_per_client: int = option(0, at_least=0)  # 0: FedProx's log-normal sizes; > 0: this many per client
+    max_samples_per_client: int = option(0, at_least=0)  # > samples_per_client: sizes uniform in [samples_per_client, this]
     test_fraction: float = option(0.2, above=0, below=1)  # each user's share held out for the global test set
 
     def check(self, cfg, section: str) -> None:
         if cfg.input_scale != "standardize":
             raise ConfigError("input_scale applies to image datasets; synthetic's features are not pixels "
                               "(leave input_scale=standardize)")
+        if self.max_samples_per_client and self.max_samples_per_client <= self.samples_per_client:
+            raise ConfigError(f"synthetic.max_samples_per_client={self.max_samples_per_client} must be above "
+                              f"synthetic.samples_per_client={self.samples_per_client} (0: every client the same)")
         Synthetic.check_memory(cfg)
 
 
@@ -425,6 +429,8 @@ class Synthetic:
         """Samples per user: `samples_per_client`, or FedProx's log-normal sizes (the first
         draw of the dataset's generator, so the memory check sees the sizes `load` makes)."""
         s = cfg.synthetic
+        if s.samples_per_client > 0 and s.max_samples_per_client:
+            return rng.integers(int(s.samples_per_client), int(s.max_samples_per_client) + 1, int(cfg.num_clients))
         if s.samples_per_client > 0:
             return np.full(int(cfg.num_clients), int(s.samples_per_client))
         sizes = rng.lognormal(4, 2, int(cfg.num_clients)).astype(int) + 50
