@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from raysim.config import ConfigError, describe_layers, read_layers, resolve
+from raysim.config import ConfigError, read_layers
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
 from raysim.runtime.ray_session import first_line
 
@@ -68,41 +68,10 @@ class RunFailed(Exception):
 def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
     """Read and resolve the config and check everything that needs no data (names, keys,
     values, the run directory, a resumed run's checkpoint): before Ray starts."""
+    from raysim.preflight import check_layers
+
     layers = read_layers(config_files, overrides)
     return layers, check_layers(layers, os.getcwd(), say)
-
-
-def check_layers(layers: list, cwd: str, say: Say = quiet):
-    """`check` from the layers read (the warm service's server runs it for the command)."""
-    cfg = resolve(layers, cwd)
-    if cfg.resume:
-        from raysim.runtime.checkpoint import load_checked
-        from raysim.runtime.run_lock import check_free
-
-        check_finished(cfg)
-        check_free(cfg.resume)  # not being run by another process right now
-        load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
-    else:
-        from raysim.experiment import run_dir_for
-
-        run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
-    for line in describe_layers(layers, cfg):
-        say(line)
-    return cfg
-
-
-def check_finished(cfg) -> None:
-    """`resume=` of a run whose summary says it finished `rounds` rounds: `NothingToDo`."""
-    import json
-    from pathlib import Path
-
-    try:
-        summary = json.loads((Path(cfg.resume) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(summary, dict) and summary.get("status") == "finished" and summary.get("rounds", 0) >= int(cfg.rounds):
-        raise NothingToDo(f"run {cfg.resume} already finished ({summary['rounds']} rounds); nothing to do "
-                          f"(rounds=N with N > {summary['rounds']} runs more rounds)", str(cfg.resume))
 
 
 def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:

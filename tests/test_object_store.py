@@ -32,9 +32,9 @@ class BigVectors:
     @staticmethod
     def load(cfg):
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((15_000, 1_000), dtype=np.float32)  # 60 MB of training inputs
+        x = rng.standard_normal((17_000, 1_000), dtype=np.float32)  # 64 MB of training inputs
         y = (x[:, 0] > 0).astype(np.int64)
-        return FederatedData("big_vectors", x[:14_000], y[:14_000], x[14_000:], y[14_000:], 2)
+        return FederatedData("big_vectors", x[:16_000], y[:16_000], x[16_000:], y[16_000:], 2)
 '''
 
 
@@ -46,7 +46,7 @@ def test_a_local_ray_is_restarted_with_a_store_that_fits_the_data(tmp_path):
     r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "run_name=sized"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "note: the training data (0.1 GB) would take 7" in r.stderr and "restarting it with 0.5 GB" in r.stderr, \
+    assert "note: the training data (0.1 GB) would take 8" in r.stderr and "restarting it with 0.5 GB" in r.stderr, \
         r.stderr
     assert "take" not in r.stderr.split("restarting it with")[1].split("final accuracy")[0]  # no notice after it
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["sized"]  # the first attempt wrote nothing

@@ -116,11 +116,14 @@ class Adaptive(ServerOptimizer):
         return new
 
     def state_dict(self) -> dict:
-        return {"m": dict(self.m), "v": dict(self.v), "t": self.t}
+        state = {"m": dict(self.m), "v": dict(self.v)}
+        if self.flower:  # the step count FedAdam's correction reads, as a part of tensors like the others
+            state["fedopt"] = {"steps": torch.tensor(self.t)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.m, self.v = dict(state.get("m", {})), dict(state.get("v", {}))
-        self.t = int(state.get("t", 0))
+        self.t = int(state["fedopt"]["steps"]) if "fedopt" in state else 0
 
 
 @SERVER_OPTIMIZERS.register("adam")

@@ -33,13 +33,13 @@ class ServerActor:
         self.plugins, self.stamp = list(plugins), stamp
 
     def check(self, layers: list, cwd: str) -> tuple:
-        """`launch.check_layers` here (the service's command imports no torch): (the lines to
+        """`preflight.check_layers` here (the service's command imports no torch): (the lines to
         say, the resolved config as plain containers)."""
         import os
 
         from omegaconf import OmegaConf
 
-        from raysim.launch import check_layers
+        from raysim.preflight import check_layers
 
         os.chdir(cwd)
         lines: list = []
