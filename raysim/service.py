@@ -192,6 +192,7 @@ def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print) -> in
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = d / "token"
     token.touch(mode=0o600)
+    token.chmod(0o600)  # a token file left by an earlier service keeps no wider mode
     token.write_text(secrets.token_hex(32))
     port = _free_port()
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
