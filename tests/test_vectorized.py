@@ -113,6 +113,7 @@ def test_data_that_nearly_fill_the_object_store_are_named_with_the_setting_to_ch
     assert r.returncode == 0, r.stderr[-2000:]
     notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and "of Ray's object store (0.1 GB)" in notes[0] and "ray.object_store_gb=" in notes[0], r.stderr
+    assert "restarting" not in r.stderr  # a store the user set is only reported, never resized
 
 
 def test_linear_models_take_the_batched_matmul_path_and_others_vmap():
