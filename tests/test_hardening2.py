@@ -265,21 +265,24 @@ def test_a_second_simulate_names_the_plugin_it_runs_and_a_reimported_plugin_repl
 SWEEP = ["seed=0,1", "algorithm=fedavg", "model=mclr", "rounds=1", "num_clients=4"]
 
 
-def test_a_sweep_never_reports_another_configs_results(tmp_path, capsys):
+def test_a_sweep_never_reports_another_configs_results(ray_local, tmp_path, capsys, monkeypatch):
     """A finished sweep rerun with other fixed values into the same folder is refused by
-    key (before Ray starts: in this process); output_dir= is honoured and run_name= refused
-    with the flag to use."""
+    key, before anything runs; output_dir= is honoured and run_name= refused with the flag to
+    use. The finished points are made as a sweep's trials make them (`sweep.run_point`), in
+    this session's Ray (a whole sweep under Ray Tune runs in test_workflow.py)."""
     from raysim.sweep import main as sweep
+    from raysim.sweep import parse, plan, run_point
 
-    r = subprocess.run([sys.executable, "-m", "raysim.sweep", *SWEEP, f"output_dir={tmp_path / 'out'}", "--name", "s"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)  # run_point changes directory, as a trial does; put it back after
+    _, files, fixed, grid = parse(SWEEP, None)
+    for point in plan(files, fixed, grid, tmp_path / "out" / "s"):
+        run_point(point, files, str(tmp_path))
     assert sorted(p.name for p in (tmp_path / "out" / "s").iterdir() if (p / "summary.json").exists()) == \
         ["seed=0", "seed=1"]
     for changed, says in ((["local.lr=0.5"], "local.lr was 0.05, is 0.5"), (["rounds=2"], "rounds was 1, is 2"),
                           (["algorithm=fedprox"], "algorithm was 'fedavg', is 'fedprox'")):
         args = [a for a in SWEEP if a.split("=")[0] not in {c.split("=")[0] for c in changed}] + changed
-        assert sweep([*args, "--output-dir", str(tmp_path / "out"), "--name", "s"]) == 2
+        assert sweep([*args, f"output_dir={tmp_path / 'out'}", "--name", "s"]) == 2
         err = capsys.readouterr().err
         assert "holds a finished run of another config" in err and says in err, err
     assert sweep([*SWEEP, "run_name=x", "--output-dir", str(tmp_path)]) == 2
