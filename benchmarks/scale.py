@@ -91,51 +91,12 @@ COHORT = ["dataset=synthetic", "synthetic.samples_per_client=20", "synthetic.max
           "local.batch_size=10", "local.lr=0.01", "local.momentum=0", "local.vectorize=true", "rounds=6"]
 
 
-def run_by_role(cmd: list[str], env: dict) -> tuple:
-    """Run `cmd` sampling every 0.1 s the RSS of the command itself, the server actor, the
-    client actors (summed) and Ray's own processes: (result, {role: peak RSS bytes})."""
-    import subprocess
-    import threading
-
-    proc = subprocess.Popen(cmd, env=env, cwd=tp.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"command": 0, "server": 0, "client actors": 0, "Ray": 0}
-    done = threading.Event()
-
-    def sample():
-        try:
-            top = psutil.Process(proc.pid)
-        except psutil.NoSuchProcess:
-            return
-        while not done.is_set():
-            now = dict.fromkeys(peak, 0)
-            try:
-                for q in [top, *top.children(recursive=True)]:
-                    try:
-                        line = " ".join(q.cmdline())
-                        role = ("command" if q.pid == top.pid else "server" if "ServerActor" in line else
-                                "client actors" if "ClientActor" in line else "Ray")
-                        now[role] += q.memory_info().rss
-                    except psutil.Error:
-                        pass
-            except psutil.Error:
-                break
-            for k, v in now.items():
-                peak[k] = max(peak[k], v)
-            done.wait(0.1)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    out, err = proc.communicate()
-    done.set()
-    t.join()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), peak
-
-
 def run_cohort(n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "raysim.run", "--quiet", *COHORT, f"num_clients={n}", "eval_every=6",
                f"output_dir={tmp}", "run_name=r"]
-        r, peak = run_by_role(cmd, _env())
+        peak: dict = {}
+        r, _ = tp.run_measured(cmd, _env(), by_role=peak)
         if r.returncode != 0:
             raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
         d = Path(tmp) / "r"

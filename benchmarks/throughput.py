@@ -130,13 +130,28 @@ def train_plain(model, x, y, loc, generator) -> None:
 PSS = False  # --pss: also sample PSS (reading /proc/*/smaps takes ~40 ms a sample and perturbs timings)
 
 
-def run_measured(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, list]:
+ROLES = ("command", "server", "client actors", "Ray")
+
+
+def _role(q, top) -> str:
+    """A process's part in a raysim run: the command, the server actor, a client actor, or
+    Ray's own (Ray names its workers' processes after the actor they run)."""
+    if q.pid == top.pid:
+        return "command"
+    line = " ".join(q.cmdline())
+    return "server" if "ServerActor" in line else "client actors" if "ClientActor" in line else "Ray"
+
+
+def run_measured(cmd: list[str], env: dict, by_role: dict | None = None) -> tuple[subprocess.CompletedProcess, list]:
     """Run `cmd`, sampling the summed RSS (and with --pss the PSS) of it and its
     descendants every 0.1 s; returns (result, [peak RSS, peak PSS]). RSS counts shared
     pages (torch's libraries, the object store) once per process that maps them; PSS
-    splits them among those processes."""
+    splits them among those processes. `by_role`, when given, is filled with the peak
+    summed RSS of each of `ROLES`."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0, 0]
+    if by_role is not None:
+        by_role.update(dict.fromkeys(ROLES, 0))
     done = threading.Event()
 
     def sample():
@@ -148,18 +163,24 @@ def run_measured(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess
         while not done.is_set():
             with_pss = PSS and tick % 10 == 0  # once a second: smaps is costly
             rss = pss = 0
+            roles = dict.fromkeys(ROLES, 0)
             try:
                 for q in [p, *p.children(recursive=True)]:
                     try:
                         m = q.memory_full_info() if with_pss else q.memory_info()
                         rss += m.rss
                         pss += m.pss if with_pss else 0
+                        if by_role is not None:
+                            roles[_role(q, p)] += m.rss
                     except psutil.Error:
                         pass
             except psutil.Error:
                 break
             peak[0] = max(peak[0], rss)
             peak[1] = max(peak[1], pss)
+            if by_role is not None:
+                for k, v in roles.items():
+                    by_role[k] = max(by_role[k], v)
             tick += 1
             time.sleep(0.1)
 

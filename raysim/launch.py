@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from raysim.config import ConfigError, read_layers
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
+from raysim.preflight import check_layers, quiet
 from raysim.runtime.ray_session import first_line
 
 # Set by the CLI's Ctrl-C / SIGTERM handler (run.py). A KeyboardInterrupt raised inside Ray's
@@ -35,10 +36,6 @@ def say_on_stderr(t_start: float) -> Say:
     def say(line: str) -> None:
         print(f"raysim [{time.time() - t_start:5.1f} s] {line}", file=sys.stderr, flush=True)
     return say
-
-
-def quiet(line: str) -> None:
-    pass
 
 
 class ServerDied(Exception):
@@ -68,8 +65,6 @@ class RunFailed(Exception):
 def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
     """Read and resolve the config and check everything that needs no data (names, keys,
     values, the run directory, a resumed run's checkpoint): before Ray starts."""
-    from raysim.preflight import check_layers
-
     layers = read_layers(config_files, overrides)
     return layers, check_layers(layers, os.getcwd(), say)
 

@@ -11,7 +11,7 @@ from raysim.errors import NothingToDo
 
 
 def quiet(line: str) -> None:
-    pass
+    """A `say` that says nothing."""
 
 
 def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
