@@ -64,7 +64,9 @@ def test_a_command_on_the_service_gives_the_cold_commands_model(service):
     for k, v in cold["global"].items():
         assert torch.equal(v, warm1["global"][k]) and torch.equal(v, warm2["global"][k]), k
     r = command(["raysim.run", *SMALL, "algorithm=nope"], work, env)  # checked in the service's server
-    assert r.returncode == 2 and "algorithm='nope' is not a known algorithm" in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("raysim [")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors[0].startswith("error: algorithm='nope' is not a known algorithm; choose one of:"), r.stderr
 
 
 def test_an_edited_plugin_is_noticed(service):
