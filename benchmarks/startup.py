@@ -6,8 +6,10 @@ of round 1, phase by phase, next to a plain torch loop's start on the same work.
 
 Each run is a fresh process. The CLI stamps every start-up line with the seconds since the
 process started; the phases are the gaps between them:
-  imports + config   process start -> the "config:" line (Python, torch, the registry, checks)
-  Ray start          -> "starting the server" (ray.init of a local Ray)
+  imports            process start -> "starting a local Ray" (Python, raysim's CLI, the YAML read)
+  Ray start + check  -> "starting the server" (ray.init of a local Ray; meanwhile a forked child
+                        imports torch and the registry and checks the config: its end is shown
+                        as "(check ended at)", since the two overlap)
   server + data      -> "data ready" (the driver actor starts and imports torch; it loads and
                         partitions the data while the client actors start)
   client actors      -> "run directory" (the client actors are placed and have imported torch)
@@ -38,8 +40,9 @@ SYNTH = ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.tes
          "model=mclr", "num_clients=100", "clients_per_round=20", "local.epochs=1", "local.batch_size=10",
          "local.lr=0.01", "local.momentum=0", "rounds=2"]
 WORKLOADS = {"default": ["rounds=2"], "mclr": SYNTH}
-MARKS = [("imports + config", "config:"), ("Ray start", "starting the server"), ("server + data", "data ready"),
-         ("client actors", "run directory")]
+MARKS = [("imports", "starting a local Ray"), ("Ray start + check", "starting the server"),
+         ("server + data", "data ready"), ("client actors", "run directory")]
+AT = {"(check ended at)": "config:"}  # moments shown as they are, not as a phase
 STAMP = re.compile(r"raysim \[\s*([\d.]+) s\] (.*)")
 
 
@@ -48,7 +51,7 @@ SERVICE_MARKS = [("imports", "using the raysim service"), ("join + check", "conf
                  ("server + data", "data ready"), ("client actors", "run directory")]
 
 
-def one_run(args: list[str], out: str, name: str, marks=MARKS, env=None) -> dict:
+def one_run(args: list[str], out: str, name: str, marks=MARKS, env=None, at_marks=AT) -> dict:
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={out}", f"run_name={name}"],
                        capture_output=True, text=True, check=True, env=env)
@@ -63,13 +66,15 @@ def one_run(args: list[str], out: str, name: str, marks=MARKS, env=None) -> dict
         phases[label] = at[label] - before
         before = at[label]
     phases["end of round 1"] = at["round 1"]
+    for label, prefix in at_marks.items():
+        phases[label] = next(t for t, line in stamps if line.startswith(prefix))
     phases["command wall"] = time.time() - t0
     return phases
 
 
 def plain_start(args: list[str]) -> float:
     """Seconds from a fresh process's start to the end of its round 1, a plain loop."""
-    code = ("import time, psutil; t0 = psutil.Process().create_time(); import torch; "
+    code = ("import time; from raysim.run import process_start; t0 = process_start(); import torch; "
             "from raysim.config import load_config; from raysim.experiment import prepare; "
             "from raysim.models import build_model; from raysim.training import local_sgd; "
             f"cfg = load_config(overrides={args!r}); data, part, n = prepare(cfg); "
@@ -100,7 +105,7 @@ def on_service(args: list[str], out: str, name: str, repeats: int) -> tuple[dict
         env = dict(os.environ, RAYSIM_SERVICE_DIR=folder)
         subprocess.run([sys.executable, "-m", "raysim.up"], check=True, env=env, capture_output=True)
         try:
-            runs = [one_run(args, out, f"{name}-service-{i}", SERVICE_MARKS, env) for i in range(1 + repeats)]
+            runs = [one_run(args, out, f"{name}-service-{i}", SERVICE_MARKS, env, {}) for i in range(1 + repeats)]
         finally:
             subprocess.run([sys.executable, "-m", "raysim.down"], env=env, capture_output=True)
     return runs[0], runs[1:]

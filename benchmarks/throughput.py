@@ -64,7 +64,9 @@ def overrides(name: str) -> list[str]:
 def sequential(name: str) -> dict:
     """The same FedAvg rounds as a plain loop in this one process: same data and partition
     (prepared by raysim's loaders), same client sampling, same local SGD recipe."""
-    t_start = psutil.Process().create_time()
+    from raysim.run import process_start
+
+    t_start = process_start()  # psutil.Process().create_time() is up to 1 s early on Linux
     sys.path.insert(0, str(HERE))
     import numpy as np
     import torch

@@ -48,7 +48,9 @@ def overrides(name: str) -> list[str]:
 # --------------------------------------------------------------------------- Flower side
 def flower(name: str) -> dict:
     """The workload through Flower's simulation, in this process (run by the Flower venv's python)."""
-    t_start = psutil.Process().create_time()
+    from raysim.run import process_start
+
+    t_start = process_start()  # psutil.Process().create_time() is up to 1 s early on Linux
     import flwr
     from flwr.client import ClientApp
     from flwr.common import Context, ndarrays_to_parameters

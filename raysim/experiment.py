@@ -1,12 +1,9 @@
 """From a resolved config to what a run needs, with every data-dependent check done
-before anything is written: the dataset, its partition, the model's fit, the run dir."""
+before anything is written: the dataset, its partition, the model's fit (the run
+directory's name and checks: preflight.run_dir_for)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 
@@ -101,24 +98,3 @@ def describe(cfg: DictConfig, num_clients: int) -> str:
         faults.append(f"crash client {fa.crash_client}'s actor in round {fa.crash_round}")
     parts.append(f"faults: {', '.join(faults) or 'none'}")
     return "; ".join(parts)
-
-
-def run_dir_for(cfg: DictConfig) -> Path:
-    """`output_dir/run_name` (default name: algorithm-dataset-timestamp); must not exist."""
-    name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(cfg.output_dir)
-    for folder in (out, *out.parents):  # the nearest part of output_dir that exists must be a folder
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder; "
-                                  "choose another output_dir")
-            try:  # writable, found now rather than after Ray started (a read-only mount, /proc, no permission)
-                os.rmdir(tempfile.mkdtemp(prefix=".raysim-check-", dir=folder))
-            except OSError as e:
-                raise ConfigError(f"output_dir={cfg.output_dir!r}: cannot create folders in {folder} "
-                                  f"({e.strerror or type(e).__name__}); choose another output_dir") from None
-            break
-    run_dir = out / name
-    if run_dir.exists():
-        raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
-    return run_dir

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import sys
 import threading
 import time
 from typing import Callable, Optional
+
+from omegaconf import OmegaConf
 
 from raysim.config import ConfigError, read_layers
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
@@ -32,9 +35,10 @@ Say = Callable[[str], None]
 
 
 def say_on_stderr(t_start: float) -> Say:
-    """Progress lines on stderr, stamped with the seconds since `t_start`."""
-    def say(line: str) -> None:
-        print(f"raysim [{time.time() - t_start:5.1f} s] {line}", file=sys.stderr, flush=True)
+    """Progress lines on stderr, stamped with the seconds since `t_start` (to when the line
+    was said: `at`, for a line held back a moment, see run.py's `_Held`)."""
+    def say(line: str, at: Optional[float] = None) -> None:
+        print(f"raysim [{(at or time.time()) - t_start:5.1f} s] {line}", file=sys.stderr, flush=True)
     return say
 
 
@@ -70,55 +74,85 @@ def check(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object
 
 
 def check_apart(config_files=(), overrides=(), say: Say = quiet) -> tuple[list, object]:
-    """`check` in a forked child process, for the command line: checking imports every
+    """`check`, its costly part in a forked child (`CheckApart`). Same result, same errors."""
+    layers = read_layers(config_files, overrides)
+    checking = CheckApart(layers)
+    cfg = checking.answer()
+    for at, line in checking.lines:
+        say(line, at=at)
+    return layers, cfg
+
+
+class CheckApart:
+    """`check_layers` in a forked child process, for the command line: checking imports every
     algorithm's module and with them torch (~500 MB, ~2 s), which the command itself never
     needs (its server and client actors are other processes); the child's memory goes when
-    it exits. Same result, same errors; in-process where there is no fork."""
-    if not hasattr(os, "fork") or "torch" in sys.modules:
-        return check(config_files, overrides, say)
-    import pickle
+    it exits. The command starts Ray while the child checks (`fileno` is the pipe its answer
+    comes on); `answer()` waits for it: the config, or the same error as in-process; `lines`
+    are then what the check had to say, with when. Where there is no fork (or torch is
+    loaded already) the check runs here, at once."""
 
-    from omegaconf import OmegaConf
+    def __init__(self, layers: list):
+        self._answer = None
+        self.lines: list = []
+        if not hasattr(os, "fork") or "torch" in sys.modules:
+            self._read, self._pid = None, None
+            self._answer = self._in_process(layers)
+            return
+        read, write = os.pipe()
+        self._pid = os.fork()
+        if self._pid == 0:  # the child: check, send back plain containers or the error, leave at once
+            os.close(read)
+            out = self._in_process(layers)
+            try:
+                with os.fdopen(write, "wb") as f:
+                    pickle.dump(out if out[0] != "ok" else ("ok", OmegaConf.to_container(out[1]), out[2]), f)
+            except BaseException:  # noqa: BLE001  (the parent is gone, e.g. Ctrl-C: nothing to say)
+                pass
+            os._exit(0)
+        os.close(write)
+        self._read = read
 
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: check, send back plain containers or the error, leave at once
-        os.close(read)
+    @staticmethod
+    def _in_process(layers: list) -> tuple:
+        lines = []
         try:
-            layers, cfg = check(config_files, overrides, say)
-            out = ("ok", layers, OmegaConf.to_container(cfg))
+            cfg = check_layers(layers, os.getcwd(), lambda line: lines.append((time.time(), line)))
+            return "ok", cfg, lines
         except ConfigError as e:
-            out = ("error", str(e), None)
+            return "error", str(e), []
         except NothingToDo as e:
-            out = ("finished", str(e), None)
+            return "finished", str(e), []
         except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
-            out = ("interrupted", "", None)
-        except BaseException as e:  # noqa: BLE001  (reported by the parent, as in-process)
-            out = ("crash", f"{type(e).__name__}: {e}", None)
-        try:
-            with os.fdopen(write, "wb") as f:
-                pickle.dump(out, f)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:  # noqa: BLE001  (the parent is gone, e.g. Ctrl-C: nothing to say)
-            pass
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    if not data:
-        raise ConfigError("checking the config failed: its process ended without an answer")
-    kind, first, cfg = pickle.loads(data)
-    if kind == "error":
-        raise ConfigError(first)
-    if kind == "finished":
-        raise NothingToDo(first)
-    if kind == "interrupted":
-        raise KeyboardInterrupt
-    if kind == "crash":  # not bad input the checks know: a bug, said in one line
-        raise RunFailed(f"checking the config failed: {first}")
-    return first, OmegaConf.create(cfg)
+            return "interrupted", "", []
+        except BaseException as e:  # noqa: BLE001  (reported as a failure of the check, in one line)
+            return "crash", f"{type(e).__name__}: {e}", []
+
+    def fileno(self) -> Optional[int]:
+        """The pipe the child answers on (readable once it has): for `select`; None in-process."""
+        return self._read
+
+    def answer(self):
+        """Wait for the check: the resolved config, or its `ConfigError`, `NothingToDo`,
+        `KeyboardInterrupt` or `RunFailed` (a bug in a check, said in one line)."""
+        if self._answer is None:
+            with os.fdopen(self._read, "rb") as f:
+                data = f.read()
+            os.waitpid(self._pid, 0)
+            self._answer = pickle.loads(data) if data else (
+                "error", "checking the config failed: its process ended without an answer", [])
+            if self._answer[0] == "ok":
+                self._answer = ("ok", OmegaConf.create(self._answer[1]), self._answer[2])
+        kind, value, self.lines = self._answer
+        if kind == "ok":
+            return value
+        if kind == "error":
+            raise ConfigError(value)
+        if kind == "finished":
+            raise NothingToDo(value)
+        if kind == "interrupted":
+            raise KeyboardInterrupt
+        raise RunFailed(f"checking the config failed: {value}")
 
 
 class SessionServers:
@@ -173,6 +207,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     servers = servers or SessionServers()
     reuse = bool(cfg.ray.reuse_workers)
     server = servers.take(reuse, server_name, say)
+    server.start_clients.remote(OmegaConf.to_container(cfg), os.getcwd())  # first thing, see runtime/server_actor.py
     bar = None
     run_dir = None
     keep = False

@@ -4,13 +4,19 @@ runs it in a forked child (`launch.check_apart`), the warm service's server for 
 (`ServerActor.check`), `raysim.simulate` in its own process."""
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+from pathlib import Path
 from typing import Callable
 
+from omegaconf import DictConfig
+
 from raysim.config import describe_layers, resolve
-from raysim.errors import NothingToDo
+from raysim.errors import ConfigError, NothingToDo
 
 
-def quiet(line: str) -> None:
+def quiet(line: str, at=None) -> None:
     """A `say` that says nothing."""
 
 
@@ -25,8 +31,6 @@ def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
         check_free(cfg.resume)  # not being run by another process right now
         load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
     else:
-        from raysim.experiment import run_dir_for
-
         run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
     for line in describe_layers(layers, cfg):
         say(line)
@@ -45,3 +49,24 @@ def check_finished(cfg) -> None:
     if isinstance(summary, dict) and summary.get("status") == "finished" and summary.get("rounds", 0) >= int(cfg.rounds):
         raise NothingToDo(f"run {cfg.resume} already finished ({summary['rounds']} rounds); nothing to do "
                           f"(rounds=N with N > {summary['rounds']} runs more rounds)", str(cfg.resume))
+
+
+def run_dir_for(cfg: DictConfig) -> Path:
+    """`output_dir/run_name` (default name: algorithm-dataset-timestamp); must not exist."""
+    name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(cfg.output_dir)
+    for folder in (out, *out.parents):  # the nearest part of output_dir that exists must be a folder
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder; "
+                                  "choose another output_dir")
+            try:  # writable, found now rather than after Ray started (a read-only mount, /proc, no permission)
+                os.rmdir(tempfile.mkdtemp(prefix=".raysim-check-", dir=folder))
+            except OSError as e:
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: cannot create folders in {folder} "
+                                  f"({e.strerror or type(e).__name__}); choose another output_dir") from None
+            break
+    run_dir = out / name
+    if run_dir.exists():
+        raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
+    return run_dir

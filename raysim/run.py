@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -19,9 +20,8 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
-from raysim.launch import (Interrupted, RunFailed, ServerDied, StoreTooSmall, check_apart, launch, quiet,
-                           say_on_stderr)
-from raysim.runtime.ray_session import start_ray
+from raysim.launch import Interrupted, RunFailed, ServerDied, StoreTooSmall, launch, quiet, say_on_stderr
+from raysim.runtime.ray_session import Meanwhile, start_ray
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -131,20 +131,12 @@ def _main(args, say, t_start: float) -> int:
         if addr is not None:
             cfg, servers = _check_on_service(layers, addr, say, on_service)
         else:
-            layers, cfg = check_apart(args.config, args.overrides, say)  # every check that needs no data, before Ray
-            started = start_ray(cfg.ray, say, command=True)
-    except ConfigError as e:
+            layers, cfg, started = _check_while_ray_starts(args, say)
+    except (ConfigError, NothingToDo, RunFailed) as e:
         on_service.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NothingToDo as e:
-        on_service.close()
-        print(str(e), file=sys.stderr)
-        return 0
-    except RunFailed as e:
-        on_service.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _said(e)
+    except _Ended as e:
+        return e.code
 
     import ray
 
@@ -189,6 +181,90 @@ def _main(args, say, t_start: float) -> int:
     return 0
 
 
+def _check_while_ray_starts(args, say) -> tuple:
+    """Every check that needs no data, in a forked child (`CheckApart`), while this process
+    starts or joins Ray with the config's `ray` section: (layers, config, whether we started
+    Ray). A bad config found while Ray starts ends the command at once, Ray stopped, its
+    error the only line (the progress lines are held until the check has passed)."""
+    from raysim.config import read_layers
+    from raysim.config.layers import ray_section
+    from raysim.launch import CheckApart
+
+    layers = read_layers(args.config, args.overrides)
+    checking = CheckApart(layers)
+    ray_cfg = ray_section(layers)
+    if ray_cfg is None or checking.fileno() is None:  # the whole check first: it says what is wrong
+        ray_cfg = checking.answer().ray
+    held = _Held()
+    started = False
+    try:
+        try:
+            started = start_ray(ray_cfg, held, command=True,
+                                meanwhile=_Checked(checking) if checking.fileno() is not None else None)
+        except ConfigError:  # Ray did not start: a bad config, found meanwhile, is the first thing to say
+            checking.answer()
+            raise
+        cfg = checking.answer()
+    except BaseException as e:
+        code = _said(e) if isinstance(e, (ConfigError, NothingToDo, RunFailed)) else None
+        if started:  # said first: stopping Ray takes a second
+            import ray
+
+            ray.shutdown()
+        if code is None:
+            raise
+        raise _Ended(code) from None
+    for at, line in sorted(held.lines + checking.lines):
+        say(line, at=at)
+    return layers, cfg, started
+
+
+class _Held:
+    """A `say` that keeps its lines, and when they were said, to be said later."""
+
+    def __init__(self):
+        self.lines: list = []
+
+    def __call__(self, line: str, at=None) -> None:
+        self.lines.append((at or time.time(), line))
+
+
+class _Checked(Meanwhile):
+    """The check's answer, arriving while Ray starts: a bad config ends the command then."""
+
+    def __init__(self, checking):
+        self.checking = checking
+
+    def fileno(self) -> int:
+        return self.checking.fileno()
+
+    def done(self):
+        try:
+            self.checking.answer()
+        except (ConfigError, NothingToDo, RunFailed) as e:
+            return _said(e)
+        except KeyboardInterrupt:  # the signal reaches this process too: the watcher says so
+            return None
+        return None
+
+
+def _said(e: Exception) -> int:
+    """Say why the command ends before the run: its exit code (2 bad input, 0 nothing to do, 1 a failure)."""
+    if isinstance(e, NothingToDo):
+        print(str(e), file=sys.stderr, flush=True)
+        return 0
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2 if isinstance(e, ConfigError) else 1
+
+
+class _Ended(Exception):
+    """The command ended before the run, its reason said: `code` is its exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def _service_address(args) -> tuple:
     """(the warm service's address, the config layers) when the service runs (raysim/service.py)
     and the command names no `ray.address` of its own; else (None, None)."""
@@ -210,7 +286,6 @@ def _service_address(args) -> tuple:
 def _check_on_service(layers: list, addr: str, say, on_service: contextlib.ExitStack):
     """Join the service, wait for its lock, and check the config in its warm server (this
     process then imports no torch): (the config, the service's servers for `launch`)."""
-    import os
 
     from omegaconf import OmegaConf
 
@@ -253,7 +328,19 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-if __name__ == "__main__":
-    import psutil
+def process_start() -> float:
+    """When this process started (time.time()'s clock), for the start-up stamps. On Linux from
+    /proc/self/stat and the boot clock, to 10 ms; psutil's create_time adds boot time in
+    whole seconds there, which put every stamp up to 1 s late."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, AttributeError, ValueError, IndexError):
+        import psutil
 
-    sys.exit(main(t_start=psutil.Process().create_time()))
+        return psutil.Process().create_time()
+
+
+if __name__ == "__main__":
+    sys.exit(main(t_start=process_start()))

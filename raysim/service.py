@@ -136,6 +136,7 @@ def new_server():
     from raysim.runtime.server_actor import ServerActor
 
     server = ServerActor.options(name=SERVER_NAME, namespace=NAMESPACE, lifetime="detached").remote()
+    server.warm.remote()
     server.keep.remote([], pool.code_stamp([]))  # the code it is importing now
     return server
 

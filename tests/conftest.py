@@ -9,8 +9,16 @@ sys.path.insert(0, SUPPORT)
 # A warm service the developer started (python -m raysim.up) must not run the tests' commands:
 # they see a service folder of their own (tests/test_service.py starts one there).
 os.environ["RAYSIM_SERVICE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"raysim-tests-{os.getpid()}")
+# The prepared-data cache (raysim/data/cache.py) starts empty in every session, and goes with it.
+os.environ["RAYSIM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"raysim-tests-cache-{os.getpid()}")
 # Ray worker processes inherit the environment of the process that starts Ray.
 os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(os.environ["RAYSIM_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

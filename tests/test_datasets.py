@@ -193,3 +193,32 @@ def test_synthetic_sizes_drawn_in_a_range():
     assert abs(len(data.x_train) + len(data.x_test) - int(sizes.sum())) == 0
     with pytest.raises(ConfigError, match="max_samples_per_client=10 must be above"):
         load_config(overrides=[*base, "synthetic.max_samples_per_client=10"])
+
+
+def test_digits_split_is_kept_between_commands_and_equals_scikit_learns(tmp_path, monkeypatch):
+    """The digits split read back from the cache (data/cache.py) is the one scikit-learn
+    makes; each seed has its own file; a damaged file is made again; a read-only cache
+    folder only means nothing is kept."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    monkeypatch.setenv("RAYSIM_CACHE_DIR", str(tmp_path / "cache"))
+    d = load_digits()
+    x, y = d.images.astype(np.uint8)[:, None], d.target.astype(np.int64)
+    for seed in (0, 3):
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+        made = load_dataset(load_config(overrides=[f"seed={seed}"]))  # made, then written
+        kept = load_dataset(load_config(overrides=[f"seed={seed}"]))  # read back
+        for data in (made, kept):
+            assert np.array_equal(data.x_train, xtr) and np.array_equal(data.y_train, ytr)
+            assert np.array_equal(data.x_test, xte) and np.array_equal(data.y_test, yte)
+    files = sorted((tmp_path / "cache").glob("digits-*.npz"))
+    assert len(files) == 2 and not list((tmp_path / "cache").glob(".*"))  # no temp file left
+    files[0].write_bytes(b"not a zip file")
+    again = load_dataset(load_config(overrides=["seed=0"]))
+    assert again.x_train.shape == made.x_train.shape and files[0].stat().st_size > 100  # made and written again
+
+    monkeypatch.setenv("RAYSIM_CACHE_DIR", str(tmp_path / "cache-under-a-file" / "x"))
+    (tmp_path / "cache-under-a-file").write_text("a file, not a folder")
+    fresh = load_dataset(load_config(overrides=["seed=3"]))
+    assert np.array_equal(fresh.y_train, kept.y_train)

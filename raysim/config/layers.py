@@ -14,7 +14,7 @@ from raysim import registry
 from raysim.config.files import CONFIG_DIR, DEFAULT_YAML, find_config, load_yaml, read_yaml
 from raysim.config.record import RESUMABLE_KEYS
 from raysim.config.sections import plugin_sections, schema, unused_sections, used_sections
-from raysim.config.validate import validate
+from raysim.config.validate import check_ray, validate
 from raysim.errors import ConfigError
 
 GROUPS = ("dataset", "algorithm", "selection")  # config groups: choosing a name applies <group>/<name>.yaml
@@ -193,6 +193,26 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
             if cfg[key] is not None:
                 cfg[key] = str(Path(cwd, cfg[key]))
     return cfg
+
+
+def ray_section(layers: Layers) -> Optional[DictConfig]:
+    """The `ray` section alone, merged and checked without the rest of the schema (so without
+    importing any plugin, nor torch): what the command needs to start Ray while the whole
+    config is checked apart (`launch.CheckApart`). None where it cannot be read on its own:
+    the whole check then says why, before Ray starts."""
+    from raysim.config.schema import RayConfig
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    try:
+        ray = OmegaConf.merge(OmegaConf.structured(RayConfig),
+                              *(data["ray"] for _, data in layers if isinstance(data.get("ray"), dict)))
+        check_ray(ray, need)
+    except (OmegaConfBaseException, ConfigError, TypeError, ValueError):
+        return None
+    return ray
 
 
 def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:

@@ -67,12 +67,7 @@ def validate(cfg: DictConfig) -> None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,
              f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
-    address = cfg.ray.address
-    m = re.fullmatch(r"(ray://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", str(address))
-    need(address is None or address == "auto" or (m is not None and 1 <= int(m.group(3)) <= 65535),
-         f"ray.address={address!r} is not an address Ray can join: give auto (the cluster this machine is part "
-         "of), HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray Client), or leave it "
-         "unset for a local Ray")
+    check_ray(cfg.ray, need)
     need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
     name = cfg.run_name
     need(name is None or (name not in ("", ".", "..") and "/" not in name and "\\" not in name),
@@ -164,14 +159,23 @@ def validate(cfg: DictConfig) -> None:
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
-    need(cfg.ray.object_store_gb is None or cfg.ray.object_store_gb > 0,
-         f"ray.object_store_gb must be > 0, got {cfg.ray.object_store_gb}")
-    need(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1,
-         f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {cfg.ray.num_cpus}")
     for key, reg in PLUGIN_KINDS.items():  # each chosen part checks its own options
         section = section_of(reg, cfg[key])
         if section is not None:
             reg.get(cfg[key]).Options.check_section(cfg, section)
+
+
+def check_ray(ray: DictConfig, need) -> None:
+    """The `ray` section: all the command needs to start or join Ray while the rest is checked."""
+    address = ray.address
+    m = re.fullmatch(r"(ray://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", str(address))
+    need(address is None or address == "auto" or (m is not None and 1 <= int(m.group(3)) <= 65535),
+         f"ray.address={address!r} is not an address Ray can join: give auto (the cluster this machine is part "
+         "of), HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray Client), or leave it "
+         "unset for a local Ray")
+    need(ray.object_store_gb is None or ray.object_store_gb > 0, f"ray.object_store_gb must be > 0, got {ray.object_store_gb}")
+    need(ray.num_cpus is None or ray.num_cpus >= 1,
+         f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {ray.num_cpus}")
 
 
 def check_server(cfg: DictConfig, need) -> None:

@@ -379,15 +379,26 @@ class Digits:
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        from importlib.metadata import version
 
-        d = load_digits()
+        from raysim.data.cache import cached_arrays
+
+        def split() -> dict:
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+
+            d = load_digits()
+            x = d.images.astype(np.uint8)[:, None]  # pixels 0..16
+            y = d.target.astype(np.int64)
+            xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=cfg.seed, stratify=y)
+            return {"x_train": np.ascontiguousarray(xtr), "y_train": ytr, "x_test": np.ascontiguousarray(xte),
+                    "y_test": yte}
+
+        # the split is kept between commands (data/cache.py): importing scikit-learn costs more than the run's start
+        a = cached_arrays("digits", {"scikit-learn": version("scikit-learn"), "seed": int(cfg.seed), "test": 0.2},
+                          split)
         mean, std = _scaling(cfg, (0.5,), (0.5,))
-        x = d.images.astype(np.uint8)[:, None]  # pixels 0..16
-        y = d.target.astype(np.int64)
-        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=cfg.seed, stratify=y)
-        return FederatedData("digits", np.ascontiguousarray(xtr), ytr, np.ascontiguousarray(xte), yte, 10,
+        return FederatedData("digits", a["x_train"], a["y_train"], a["x_test"], a["y_test"], 10,
                              norm=(mean, std), pixel_max=16.0)
 
 

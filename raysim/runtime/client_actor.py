@@ -20,12 +20,10 @@ from omegaconf import OmegaConf
 
 from raysim.attacks import Adversaries
 from raysim.contract import Client
-from raysim.config import ConfigError, augmentation_name
+from raysim.config import augmentation_name
 from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
-from raysim.runtime import pool
-from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import new_client, partial_sum
 
@@ -34,7 +32,9 @@ class DataNotAttached(RuntimeError):
     """A call reached an actor without data: Ray restarted it while it was idle."""
 
 
-class ClientActor:
+class ClientRunner:
+    """The work of one client actor (its Ray shell is runtime/clients.py's `ClientActor`)."""
+
     def __init__(self):
         """Starts before the data exists (the server loads it meanwhile): imports torch and
         warms it up. Everything of a run (config, plugins, data) comes with the run's first
@@ -157,37 +157,3 @@ def _warm_up(device: torch.device) -> None:
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 2)).to(device)
     out = net(torch.zeros(2, 1, 4, 4, device=device))
     torch.nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long, device=device)).backward()
-
-
-def start_client_actors(cfg, run: str) -> tuple[list, tuple, int]:
-    """The client actors (how many: `placement.num_actors`), each reserving its CPU share and
-    GPU fraction, spread over the cluster's nodes, restarted by Ray if its process dies:
-    idle ones a finished run left (`ray.reuse_workers`, runtime/pool.py) first, then new
-    ones named `raysim-client-<i>.<run>` (the Dashboard's actor view). Returns the actors,
-    what each reserves (cpus, gpus) and how many were reused.
-
-    On a local Ray (no `ray.address`) actors the machine cannot hold are refused now, with
-    the numbers; a joined cluster may autoscale, so there the CLI waits for placement
-    (bounded by `resources.placement_timeout`, see `Dispatch.placed`)."""
-    res = cfg.resources
-    total = ray.cluster_resources()
-    n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))
-    cpus, gpus = cpus_per_actor(cfg, n, total.get("CPU", 0)), float(res.num_gpus_per_actor)
-    reused = pool.take_client_actors((cpus, gpus), n if cfg.ray.reuse_workers else 0)
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    fit = actors_that_fit(nodes, cpus, gpus)
-    if fit < n and cfg.ray.address is None:
-        pool.keep_client_actors((cpus, gpus), reused)
-        raise ConfigError(f"resources: {n} client actors need {describe(cpus, gpus)} each, but this machine's Ray "
-                          f"can hold {fit} ({total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs); lower "
-                          "resources.num_cpus_per_actor / num_gpus_per_actor or use fewer actors "
-                          "(resources.num_actors, resources.clients_per_actor)")
-    options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
-    cls = ray.remote(ClientActor)
-    new = [cls.options(name=pool.actor_name(i, run), **options).remote() for i in range(len(reused), n)]
-    return reused + new, (cpus, gpus), len(reused)
-
-
-def describe(cpus: float, gpus: float) -> str:
-    """'1 CPU', '0.5 CPU + 0.25 GPU': what one client actor reserves."""
-    return " + ".join(f"{v:g} {k}" for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0) or "no CPU or GPU"

@@ -1,7 +1,7 @@
 """Dispatch: the run's client calls on Ray's client actors. The only part of the server
 that needs Ray.
 
-It starts the client actors (runtime/client_actor.py) and hands them the data references
+It takes the client actors (runtime/clients.py) and hands them the data references
 once, then, per call of `run`:
 
 - sends the payload once (through the object store when it is big), gives each client
@@ -24,7 +24,8 @@ import ray
 
 from raysim.contract import ClientResult
 from raysim.runtime import placement, pool
-from raysim.runtime.client_actor import DataNotAttached, describe as describe_needs, start_client_actors
+from raysim.runtime.client_actor import DataNotAttached
+from raysim.runtime.clients import describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import nbytes
 
@@ -33,11 +34,12 @@ INLINE_BYTES = 64 * 2**10
 
 
 class Dispatch:
-    def __init__(self, cfg, run_name: str):
-        """Start the client actors now: each needs ~1.5 s for torch, which overlaps the
-        server's loading of the data (`share_data` follows)."""
+    def __init__(self, cfg, run_name: str, started: Optional[tuple] = None):
+        """Take the client actors the server started first thing (`started`, what
+        `start_client_actors` returned), or start them now: each needs ~1.5 s for torch,
+        which overlaps the server's loading of the data (`share_data` follows)."""
         self.cfg = cfg
-        self.actors, self.actor_key, self.reused = start_client_actors(cfg, run_name)
+        self.actors, self.actor_key, self.reused = started or start_client_actors(cfg, run_name)
         self.needs = describe_needs(*self.actor_key)
         self.n_actors = len(self.actors)
         self.one_per_client = cfg.resources.clients_per_actor == 1

@@ -13,11 +13,13 @@ from typing import Callable, Optional
 from raysim.errors import ConfigError
 
 
-def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: bool = False) -> bool:
+def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: bool = False,
+              meanwhile: Optional["Meanwhile"] = None) -> bool:
     """Connect to `ray.address`, or start a local Ray (and `raysim.runtime.reaper`, which stops it if
     this process is killed outright). Returns True if we started it. `command`: the caller
     is a command-line process, which Ctrl-C may end inside `ray.init` (`interruptible`);
-    not so for `raysim.simulate`, whose process may be a notebook's kernel."""
+    not so for `raysim.simulate`, whose process may be a notebook's kernel. `meanwhile`
+    (a command only): work finishing while Ray starts, which may end the command at once."""
     say = say or (lambda line: None)
     if "ray" in sys.modules:
         import ray
@@ -30,7 +32,7 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
 
         check_reachable(ray_cfg.address)
         try:
-            with interruptible("while joining the Ray cluster") if command else contextlib.nullcontext():
+            with interruptible("while joining the Ray cluster", meanwhile) if command else contextlib.nullcontext():
                 ray.init(address=ray_cfg.address, logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address!r}: cannot connect: {first_line(e)}") from None
@@ -41,7 +43,7 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
 
         try:
             store = ray_cfg.get("object_store_gb")
-            with interruptible("while starting the local Ray") if command else contextlib.nullcontext():
+            with interruptible("while starting the local Ray", meanwhile) if command else contextlib.nullcontext():
                 ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
                                object_store_memory=int(store * 2**30) if store else None,
                                logging_level=logging.ERROR, log_to_driver=False)
@@ -59,13 +61,27 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
     return True
 
 
+class Meanwhile:
+    """Work done in another process while Ray starts (the command's config check): `fileno()`
+    turns readable when it is done; `done()` then returns None to go on, or an exit code
+    after saying why the command ends (it has printed a bad config's error)."""
+
+    def fileno(self) -> int:
+        raise NotImplementedError
+
+    def done(self) -> Optional[int]:
+        raise NotImplementedError
+
+
 @contextlib.contextmanager
-def interruptible(what: str):
+def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     """Ctrl-C and SIGTERM end the process at once (exit 130) while the block runs, even when
     the main thread sits in Ray's C++ code and never returns to Python to run a signal
     handler (`ray.init` retrying an address). Python's C-level handler writes each signal's
     number to a wake-up pipe; a watcher thread reads it and exits, stopping the processes
-    this one started (a half-started local Ray). Outside the main thread: a plain block."""
+    this one started (a half-started local Ray). The same watcher ends the process with
+    `meanwhile`'s exit code when that work, done, says so (a typo found while Ray starts
+    costs no wait for Ray). Outside the main thread: a plain block."""
     import select
     import signal
 
@@ -78,13 +94,23 @@ def interruptible(what: str):
     done = threading.Event()
 
     def watch() -> None:
+        waiting = [r] + ([meanwhile] if meanwhile is not None else [])
         while not done.is_set():
-            if select.select([r], [], [], 0.2)[0]:
+            ready = select.select(waiting, [], [], 0.2)[0]
+            if r in ready:
                 got = os.read(r, 64)
                 if not done.is_set() and (signal.SIGINT in got or signal.SIGTERM in got):
                     print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
                     _stop_children()
                     os._exit(130)
+            if meanwhile is not None and meanwhile in ready:
+                waiting.remove(meanwhile)
+                code = meanwhile.done()
+                if code is not None:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    _stop_children()
+                    os._exit(code)
 
     watcher = threading.Thread(target=watch, name="raysim-interruptible", daemon=True)
     watcher.start()

@@ -32,7 +32,8 @@ from raysim.config import ConfigError, clients_per_round, resolve, run_record
 from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
-from raysim.experiment import describe, prepare, run_dir_for
+from raysim.preflight import run_dir_for
+from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime import checkpoint, placement
 from raysim.runtime.availability import Availability, SystemEffects
@@ -47,18 +48,25 @@ class FederatedServer:
         self.t_start = t_start
         torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-    def setup(self, layers: list, cwd: str) -> dict:
+    def setup(self, layers: list, cwd: str, started: Optional[tuple] = None) -> dict:
         """Resolve the config, check a resumed run against its checkpoint, start the client
-        actors and, while they start, load and partition the data and share it with them.
+        actors (or take those `ServerActor.start_clients` started: (run directory, actors))
+        and, while they start, load and partition the data and share it with them.
         Input problems raise `ConfigError`; nothing is written yet (see `open_run`)."""
-        self.cfg = resolve(layers, cwd)
-        self.ckpt = None
-        if self.cfg.resume:
-            self.run_dir = Path(self.cfg.resume)
-            self.ckpt = checkpoint.load_checked(self.cfg)
-        else:
-            self.run_dir = run_dir_for(self.cfg)
-        self.dispatch = Dispatch(self.cfg, self.run_dir.name)  # the actors start while the data loads
+        run_dir, actors = started or (None, None)
+        try:
+            self.cfg = resolve(layers, cwd)
+            self.ckpt = None
+            if self.cfg.resume:
+                self.run_dir = Path(self.cfg.resume)
+                self.ckpt = checkpoint.load_checked(self.cfg)
+            else:
+                self.run_dir = run_dir or run_dir_for(self.cfg)
+        except BaseException:
+            for a in actors[0] if actors is not None else ():  # refused before the run: not kept
+                ray.kill(a)
+            raise
+        self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors)  # the actors start while the data loads
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:

@@ -1,13 +1,17 @@
 """The named server actor, `raysim-server`, as the CLI sees it.
 
-A thin shell: the actor process imports `raysim.runtime.server` when it starts, `setup`
-makes a new `FederatedServer` for each run (a finished run's server serves the next run of
-the session: runtime/pool.py), and every other call is handed to it. The CLI sends the
-config layers (plain dicts), which the server resolves again in its own process.
+A thin shell: the actor process starts without torch; `start_clients`, the driver's first
+call, starts the run's client actors at once (their processes import torch while this one
+does); `setup` imports `raysim.runtime.server`, makes a new `FederatedServer` for each run
+(a finished run's server serves the next run of the session: runtime/pool.py), and every
+other call is handed to it. The CLI sends the config layers (plain dicts), which the server
+resolves again in its own process.
 """
 from __future__ import annotations
 
+import os
 import traceback
+from pathlib import Path
 
 import ray
 
@@ -17,10 +21,31 @@ from raysim.errors import ConfigError, RunDiverged
 @ray.remote(num_cpus=0, max_restarts=0)
 class ServerActor:
     def __init__(self):
-        import raysim.runtime.server  # noqa: F401  (torch and the rest, while the caller waits anyway)
-
         self.server = None
+        self.started = None  # what start_clients started for the coming setup, or why it could not
         self.plugins, self.stamp = [], None  # the warm service's record (raysim/service.py)
+
+    def warm(self) -> None:
+        """Import torch and the server's code now (the warm service's server, between commands)."""
+        import raysim.runtime.server  # noqa: F401  (torch and the rest)
+
+    def start_clients(self, cfg: dict, cwd: str) -> None:
+        """Start the coming run's client actors (the driver's resolved config): before this
+        process imports torch, so theirs and its imports overlap. The run directory's name,
+        which names them, is chosen here too. A problem (no room for the actors, the run
+        directory taken) is raised by `setup`, where the driver looks for it."""
+        from omegaconf import OmegaConf
+
+        from raysim.preflight import run_dir_for
+        from raysim.runtime.clients import start_client_actors
+
+        os.chdir(cwd)
+        try:
+            c = OmegaConf.create(cfg)
+            run_dir = Path(c.resume) if c.resume else run_dir_for(c)
+            self.started = (run_dir, start_client_actors(c, run_dir.name))
+        except Exception as e:  # noqa: BLE001  (raised again by setup)
+            self.started = e
 
     def ping(self) -> bool:
         return True
@@ -51,8 +76,11 @@ class ServerActor:
 
         if self.server is not None:
             self.server.stop_actors()  # those an earlier run did not leave to the pool
+        started, self.started = self.started, None
+        if isinstance(started, Exception):
+            raise started
         self.server = FederatedServer(t_start)
-        return self.server.setup(layers, cwd)
+        return self.server.setup(layers, cwd, started)
 
     def placed(self, timeout: float) -> int:
         return self.server.placed(timeout)
