@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -110,6 +111,32 @@ def run_cohort(n: int) -> dict:
             "samples": summary.get("train_samples"), "peak": peak}
 
 
+TEST_DATA = ("x_test", "y_test", "local_tests")  # the evaluation data (global and the clients' own): data
+
+
+def state_of(ns: list[int]) -> dict:
+    """{N: {part: bytes}} of the server's state after a 2-round cohort run with N clients
+    (`FederatedServer.state_bytes`), the runs in one `raysim.simulate` session."""
+    code = ("import json, sys, tempfile, ray, raysim\n"
+            "from raysim.runtime import pool\n"
+            "sys.path.insert(0, %r)\n"
+            "from scale import COHORT\n"
+            "out = {}\n"
+            "with tempfile.TemporaryDirectory() as tmp:\n"
+            "    for n in %r:\n"
+            "        raysim.simulate(COHORT + [f'num_clients={n}', 'rounds=2', 'eval_every=2', f'output_dir={tmp}',\n"
+            "                        f'run_name=s{n}'], progress=False)\n"
+            "        server = pool.warm_server()\n"
+            "        out[n] = ray.get(server.state_bytes.remote())\n"
+            "        pool.keep_server(server, [])\n"
+            "raysim.shutdown()\n"
+            "print(json.dumps(out))\n") % (str(HERE), list(ns))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise SystemExit(f"state measurement failed:\n{r.stderr[-3000:]}")
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
 def run_sequential(name: str) -> dict:
     r, peak = tp.run_measured([sys.executable, str(Path(__file__).resolve()), "--sequential", name], _env())
     if r.returncode != 0:
@@ -126,6 +153,8 @@ def main() -> int:
     p.add_argument("--actors", nargs="*", type=int, default=[1, 2, 4])
     p.add_argument("--cohort-clients", nargs="*", type=int, default=[1000, 10000, 100000],
                    help="N for the 1,000-per-round vectorised scale table (issue 30)")
+    p.add_argument("--state-clients", nargs="*", type=int, default=[1000, 10000, 100000],
+                   help="N for the server's state by part (bytes per idle client; issue 30)")
     p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args()
@@ -190,6 +219,22 @@ def main() -> int:
         last = results["cohort"][args.cohort_clients[-1]]["breakdown"]
         print(f"round breakdown at {args.cohort_clients[-1]} clients (median s): "
               + ", ".join(f"{k} {v:.4f}" for k, v in last.items()))
+    if args.state_clients:
+        ns = args.state_clients
+        print("\n== the server's state by part after a 2-round cohort run (as above), bytes "
+              "(FederatedServer.state_bytes: deep sizes, each object once)")
+        state = state_of(ns)
+        results["state"] = state
+        parts = sorted({k for v in state.values() for k in v}, key=lambda k: -state[ns[-1]].get(k, 0))
+        print(f"{'part':<28}" + "".join(f"{n:>14,}" for n in ns) + f"{'per extra client':>18}")
+        for part in parts:
+            vals = [state[n].get(part, 0) for n in ns]
+            grow = (vals[-1] - vals[0]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
+            if max(vals) >= 1024 or abs(grow) >= 1:
+                print(f"{part:<28}" + "".join(f"{v:>14,}" for v in vals) + f"{grow:>16.1f} B")
+        idle = [sum(v for k, v in state[n].items() if k not in TEST_DATA) for n in ns]
+        grow = (idle[-1] - idle[0]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
+        print(f"{'all but the test data':<28}" + "".join(f"{v:>14,}" for v in idle) + f"{grow:>16.1f} B")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -1,7 +1,7 @@
 """Driving one run from the caller's process (the CLI, `raysim.simulate`, a sweep's trial).
 
-`check` reads and validates the config before Ray starts (a typo costs a second or two);
-the caller then starts or joins Ray (runtime/ray_session.py); `launch` starts
+`check` reads and validates the config before anything runs (the CLI's `CheckApart` does it
+in a forked child while Ray starts); the caller starts or joins Ray (runtime/ray_session.py); `launch` starts
 the server actor, waits (bounded) for the client actors to be placed, steps the rounds and
 returns the summary. Failures come back as exceptions whose message is a few lines:
 `ConfigError` (bad input, nothing written), `RunDiverged`, `RunFailed` (an exception in

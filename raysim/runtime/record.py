@@ -64,6 +64,7 @@ class RunRecord:
         if self.first_round_seconds is None:
             self.first_round_seconds = time.time() - self.t_start
         self.writer.round(row, self.rows)
+        self.rows = []  # written: not held until the next round (all N clients' rows after a local evaluation)
         self.metrics.record(row)
 
     # ------------------------------------------------------------------ checkpoints

@@ -285,6 +285,13 @@ class FederatedServer:
         self.dispatch.release()
         return summary
 
+    def state_bytes(self) -> dict:
+        """{part: bytes} of what this server holds (runtime/footprint.py), the dispatch's and the
+        record's parts one by one: benchmarks/scale.py's state per idle client."""
+        from raysim.runtime.footprint import parts_bytes
+
+        return parts_bytes(self, expand=("record", "record.writer", "dispatch"))
+
     def stop_actors(self) -> None:
         if hasattr(self, "dispatch"):
             self.dispatch.stop()

@@ -103,5 +103,8 @@ class ServerActor:
     def flush(self) -> None:
         self.server.flush()
 
+    def state_bytes(self) -> dict:
+        return self.server.state_bytes()
+
     def actor_info(self) -> list:
         return self.server.actor_info()
