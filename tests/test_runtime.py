@@ -264,3 +264,27 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_the_rounds_before(ray_loca
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "diverged" and s["diverged_round"] == 3 and s["final_accuracy"] > 0.1
     assert not (d / "model.pt").exists()  # no NaN model is left as the run's result
+
+
+def test_footprint_counts_buffers_once_and_gives_expanded_parts_what_they_hold():
+    """runtime/footprint.py, behind scale.py's bytes per idle client: an array by its buffer,
+    a tensor by its storage, an object shared by two parts counted once, in the part named
+    in `expand` (which comes first whatever the attribute order)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from raysim.runtime.footprint import deep_bytes, parts_bytes
+
+    a = np.zeros(10_000, dtype=np.int64)  # 80,000 bytes
+    assert 80_000 <= deep_bytes(a, set()) < 81_000
+    assert 80_000 <= deep_bytes(a[::2], set()) < 81_000  # a view: its base's buffer
+    assert 40_000 <= deep_bytes(torch.zeros(10_000), set()) < 41_000
+    rows = [{"cid": i} for i in range(1000)]
+    assert deep_bytes(rows, set()) > 1000 * 200  # a dict per row: hundreds of bytes each
+    inner = types.SimpleNamespace(table=a, n=1)
+    server = types.SimpleNamespace(first=a, record=inner, small=[1, 2])
+    parts = parts_bytes(server, expand=("record",))
+    assert parts["record.table"] >= 80_000 and parts["first"] < 1_000  # the shared array is the record's
+    assert parts["small"] < 200
