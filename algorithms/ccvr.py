@@ -65,6 +65,9 @@ def pooled_gaussians(stats: list[dict], dim: int) -> dict[int, tuple[np.ndarray,
 @ALGORITHMS.register("ccvr")
 class CCVR(FedAvg):
     Options = CCVROptions
+    server_parts = ("aggregator", "optimizer")
+    own_server_rule = ("its clients also upload their features' class means and covariances, which no noise "
+                       "covers")
 
     def setup(self, server: Server) -> None:
         super().setup(server)

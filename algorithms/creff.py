@@ -128,6 +128,8 @@ def matching_loss(fed: tuple, real: tuple, reduction: str = "mean") -> torch.Ten
 @ALGORITHMS.register("creff")
 class CReFF(FedAvg):
     returns_model = False  # it returns the model with its per-class gradients
+    server_parts = ("aggregator", "optimizer")
+    own_server_rule = "its clients also upload per-class gradients, which no noise covers"
     Options = CReFFOptions
 
     @property

@@ -1,8 +1,9 @@
 """FedAvg (McMahan et al. 2017): clients run local SGD from the global model; the server
 replaces it with the sample-weighted mean of the returned models. The server step goes
 through raysim's server parts (raysim/aggregation/), so `server.aggregator` (median,
-trimmed mean, Krum, ...) and `server.optimizer` (FedAdam, FedYogi, ...) apply to FedAvg and
-to every algorithm built on it; with the defaults it is the plain weighted mean."""
+trimmed mean, Krum, ...), `server.optimizer` (FedAdam, FedYogi, ...) and `privacy.*`
+(DP-FedAvg: raysim/privacy/) apply to FedAvg and to every algorithm built on it; with the
+defaults it is the plain weighted mean."""
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
@@ -10,19 +11,21 @@ from typing import Callable, Iterator, Optional
 from raysim.aggregation import ServerRule
 from raysim.aggregation.optimizers import ServerOptimizer
 from raysim.contract import Algorithm, Client, ClientResult, Server
+from raysim.privacy.central import CentralDP
 from raysim.registry import ALGORITHMS
 from raysim.training import base_loss, base_sample_loss, cpu_state, local_sgd, parameter_names
 
 
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
-    server_parts = ("aggregator", "optimizer")  # server.aggregator / server.optimizer apply
+    server_parts = ("aggregator", "optimizer", "privacy")  # server.aggregator / server.optimizer / privacy.* apply
     returns_model = True  # client_update returns the trained model: model attacks apply
 
     # ---- server ----
     def setup(self, server: Server) -> None:
         self.model = server.new_model()
-        self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model), self.server_optimizer())
+        self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model), self.server_optimizer(),
+                                      CentralDP.from_config(self.cfg))
 
     def server_optimizer(self) -> Optional[ServerOptimizer]:
         """The optimiser of the server step; None: `server.optimizer` (FedAvgM overrides)."""
@@ -32,7 +35,7 @@ class FedAvg(Algorithm):
         return {"weights": cpu_state(self.model)}
 
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        fold, loss_sum = self.server_rule.round(), 0.0
+        fold, loss_sum = self.server_rule.round(self.model.state_dict(), rnd), 0.0
         for r in results:
             if r.clients is None:
                 fold.add(r.update, r.num_samples)
@@ -43,7 +46,8 @@ class FedAvg(Algorithm):
         if new is None:  # every client dropped out: keep the model
             return {}
         self.model.load_state_dict(new)
-        return {"train_loss": loss_sum / fold.total}
+        extra = fold.metrics() if hasattr(fold, "metrics") else {}  # privacy: the round's clipping
+        return {"train_loss": loss_sum / fold.total if fold.total > 0 else None, **extra}
 
     def eval_models(self) -> dict:
         return {"global": self.model}

@@ -31,7 +31,7 @@ class FedAvgM(FedAvg):
     """FedAvg with the server's momentum optimiser, set by `fedavgm.beta` / `fedavgm.server_lr`."""
 
     Options = FedAvgMOptions
-    server_parts = ("aggregator",)
+    server_parts = ("aggregator", "privacy")
     own_server_rule = "it is FedAvg with server.optimizer=momentum, set by fedavgm.beta and fedavgm.server_lr"
 
     def server_optimizer(self) -> Momentum:

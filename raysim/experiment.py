@@ -48,12 +48,16 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         raise ConfigError(f"model={cfg.model!r}{f' ({cfg.algorithm} adapts it)' if own else ''} does not fit dataset "
                           f"{cfg.dataset!r} with inputs {data.input_shape} ({problem}); models that fit: "
                           f"{', '.join(fit) or 'none'}")
-    if cfg.local.vectorize:
+    if cfg.local.vectorize or cfg.privacy.mode != "none":
         buffers = [n for n, _ in algorithm.build_model(data.input_shape).named_buffers()]
-        if buffers:
+        if buffers and cfg.local.vectorize:
             raise ConfigError(f"local.vectorize: model={cfg.model!r} keeps buffers ({buffers[0]}, ...: BatchNorm "
                               "statistics), which a vectorised group cannot update per client; use a model without "
                               "BatchNorm (model_options.norm=group where the model has it) or local.vectorize=false")
+        if buffers:
+            raise ConfigError(f"privacy.mode={cfg.privacy.mode}: model={cfg.model!r} keeps buffers ({buffers[0]}, ...: "
+                              "BatchNorm statistics), which would be averaged without clipping or noise; use a model "
+                              "without BatchNorm (model_options.norm=group where the model has it)")
     return data, part, n_classes
 
 

@@ -27,16 +27,26 @@ def is_plain(server_cfg) -> bool:
 
 
 class ServerRule:
-    def __init__(self, server_cfg, trainable: set[str], optimizer: Optional[optimizers.ServerOptimizer] = None):
+    def __init__(self, server_cfg, trainable: set[str], optimizer: Optional[optimizers.ServerOptimizer] = None,
+                 privacy=None):
         """`trainable`: the state-dict keys the aggregator and optimiser act on
         (`training.parameter_names`); `optimizer`: one the algorithm builds itself (FedAvgM's
-        momentum from `fedavgm.*`), else `server.optimizer`'s."""
+        momentum from `fedavgm.*`), else `server.optimizer`'s; `privacy`: a
+        `privacy.central.CentralDP` (`privacy.mode=central`), which replaces the mean of
+        the models by the noised mean of the clipped updates."""
         self.cfg = server_cfg
         self.trainable = set(trainable)
         self.optimizer = optimizer or SERVER_OPTIMIZERS.get(server_cfg.optimizer)(server_cfg)
+        self.privacy = privacy
 
-    def round(self) -> "RoundFold":
-        """A fold of one round's client models (`add` each in client-id order, then `result`)."""
+    def round(self, current: Optional[dict] = None, rnd: int = 0) -> "RoundFold":
+        """A fold of one round's client models (`add` each in client-id order, then `result`).
+        With privacy the fold needs the model the clients started from (`current`: updates
+        are clipped as they come) and the round (the noise's generator)."""
+        if self.privacy is not None:
+            if current is None:
+                raise ValueError("a private fold needs the current model: ServerRule.round(current, rnd)")
+            return PrivateFold(self, current, rnd)
         return RoundFold(self)
 
     def state_dict(self) -> dict:
@@ -79,3 +89,44 @@ class RoundFold:
             combined = {**(self.buffers.result(current) or {}), **self.aggregator.result(trainable)}
         stepped = self.rule.optimizer.step(trainable, {k: combined[k] for k in trainable})
         return {k: stepped[k] if k in stepped else combined[k] for k in current}
+
+
+class PrivateFold:
+    """A round under `privacy.mode=central` (privacy/central.py): each client's update
+    clipped as it comes, in client-id order; the result is the current model plus the noised
+    sum over the fixed cohort size, then the server optimiser's step. Non-trainable entries
+    stay as they are (a model with BatchNorm statistics is refused: they would leak)."""
+
+    def __init__(self, rule: ServerRule, current: dict[str, torch.Tensor], rnd: int):
+        self.rule, self.rnd = rule, rnd
+        self.start = {k: v.detach().clone() for k, v in current.items() if k in rule.trainable}
+        self.sum = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in self.start.items()}
+        self.total = 0.0  # the clients' sample weights, for the caller's weighted train loss
+        self.clients = self.clipped = 0
+
+    def add(self, state: dict[str, torch.Tensor], weight: float) -> None:
+        update, clipped = self.rule.privacy.clip({k: state[k].double() - self.start[k].double() for k in self.start})
+        for k, u in update.items():
+            self.sum[k] += u
+        self.clients += 1
+        self.clipped += int(clipped)
+        self.total += float(weight)
+
+    def add_sum(self, sums: dict[str, torch.Tensor], weight: float) -> None:
+        raise ValueError("privacy clips each client's update: partial sums cannot be private (refused by the config)")
+
+    def result(self, current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new global state: always one, even when every client dropped out (the noise is
+        the mechanism's output whatever came in)."""
+        dp = self.rule.privacy
+        noise = dp.noise(self.start, self.rnd)
+        target = {k: (self.start[k].double() + (self.sum[k] + noise[k]) / dp.clients_per_round).to(self.start[k].dtype)
+                  for k in self.start}
+        trainable = {k: v for k, v in current.items() if k in self.rule.trainable}
+        stepped = self.rule.optimizer.step(trainable, target)
+        return {k: stepped[k] if k in stepped else current[k] for k in current}
+
+    def metrics(self) -> dict:
+        """The round's clipping: how many updates were scaled down (tune `privacy.clip` with it)."""
+        return {"dp_clients": self.clients, "dp_clipped_fraction": self.clipped / self.clients if self.clients else None}
+

@@ -150,6 +150,18 @@ class ServerConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy of the clients' updates, for algorithms that fold them through
+    raysim's server parts (raysim/privacy/)."""
+
+    mode: str = "none"  # none | central (DP-FedAvg, user level: each update clipped, Gaussian noise on their sum)
+    clip: float = 1.0  # central: the L2 bound on a client's update (the change of its trainable parameters)
+    noise_multiplier: float = 0.0  # central: the noise on the sum has standard deviation noise_multiplier * clip
+    target_epsilon: Optional[float] = None  # choose noise_multiplier so that `rounds` rounds spend this epsilon (wins)
+    delta: Optional[float] = None  # the delta of (epsilon, delta); default 1 / num_clients^1.1
+
+
+@dataclass
 class AttackConfig:
     """Adversarial clients, for any algorithm (raysim/attacks.py)."""
 
@@ -190,6 +202,7 @@ class Config:
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint

@@ -122,6 +122,7 @@ def validate(cfg: DictConfig) -> None:
              "the batch order): set local.augment=false or local.vectorize=false")
     check_server(cfg, need)
     check_attack(cfg, need)
+    check_privacy(cfg, need)
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
@@ -241,3 +242,39 @@ def check_attack(cfg: DictConfig, need) -> None:
         raise ConfigError(f"attack.kind={a.kind} changes the model a client returns, but algorithm {cfg.algorithm!r} "
                           f"returns something else; label_flip works with every algorithm; model attacks with: "
                           f"{', '.join(takes)}")
+
+
+def check_privacy(cfg: DictConfig, need) -> None:
+    """`privacy.*`: ranges, the library the accountant needs, and a run whose server sees
+    nothing but the clipped, noised sum of the updates, with clients sampled the way the
+    accountant assumes (raysim/privacy/)."""
+    pv = cfg.privacy
+    need(pv.mode in ("none", "central"), f"privacy.mode must be none or central, got {pv.mode!r}")
+    if pv.mode == "none":
+        return
+    need(pv.clip > 0, f"privacy.clip must be > 0 (the L2 bound on a client's update), got {pv.clip}")
+    need(pv.noise_multiplier >= 0, f"privacy.noise_multiplier must be >= 0, got {pv.noise_multiplier}")
+    need(pv.target_epsilon is None or pv.target_epsilon > 0, f"privacy.target_epsilon must be > 0, got {pv.target_epsilon}")
+    need(pv.delta is None or 0 < pv.delta < 1, f"privacy.delta must be in (0, 1), got {pv.delta}")
+    import importlib.util
+
+    need(importlib.util.find_spec("dp_accounting") is not None,
+         "privacy.mode=central reports the (epsilon, delta) spent with Google's dp-accounting: "
+         "pip install 'raysim[privacy]' (or dp-accounting)")
+    algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    if "privacy" not in algorithm.server_parts:
+        takes = [n for n in registry.ALGORITHMS.names() if "privacy" in registry.ALGORITHMS.get(n).server_parts]
+        why = algorithm.own_server_rule or "its server step is its own"
+        raise ConfigError(f"privacy.mode={pv.mode}: algorithm {cfg.algorithm!r} does not fold its clients' updates "
+                          f"through raysim's server parts ({why}), so none could be clipped and noised; algorithms "
+                          f"that do: {', '.join(takes)}")
+    sv = cfg.server
+    need(sv.aggregator == "mean", f"privacy.mode={pv.mode} adds noise to the sum of the clipped updates: it needs "
+                                  f"server.aggregator=mean, got {sv.aggregator}")
+    need(not sv.partial_sums, f"privacy.mode={pv.mode} clips each client's update: server.partial_sums (sums made "
+                              "where the clients ran) must be 0")
+    need(cfg.selection == "random", f"privacy.mode={pv.mode}: the accountant assumes the random selection (a fixed "
+                                    f"number of clients drawn uniformly each round), got selection={cfg.selection}")
+    need(cfg.clients.join.fraction == 0, f"privacy.mode={pv.mode}: clients.join changes the population the "
+                                         "accountant samples from; set clients.join.fraction=0")
+

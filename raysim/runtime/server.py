@@ -66,6 +66,12 @@ class FederatedServer:
             for a in actors[0] if actors is not None else ():  # refused before the run: not kept
                 ray.kill(a)
             raise
+        self.accountant = None
+        if self.cfg.privacy.mode != "none":  # the noise multiplier first: the algorithm's server rule reads it
+            from raysim.privacy.accountant import Accountant
+
+            self.accountant = Accountant(self.cfg, resumed=bool(self.cfg.resume))
+            self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors)  # the actors start while the data loads
         try:
             data, part, num_classes = prepare(self.cfg)
@@ -110,6 +116,8 @@ class FederatedServer:
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
         if self.store_notice:
             self.record.log(f"note: {self.store_notice}")
+        if self.accountant is not None:
+            self.record.log(self.accountant.describe())
         torch.manual_seed(int(self.cfg.seed))  # nothing of an earlier run in this process (runtime/pool.py)
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, self.num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, self.num_classes)
@@ -200,6 +208,8 @@ class FederatedServer:
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
         row.update(extra)
+        if self.accountant is not None:  # the (epsilon, delta) spent so far
+            row["epsilon"] = self.accountant.epsilon(rnd)
         row.update(self.selection.round_metrics())
         if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
             cohort = self.true_counts[self._selected].sum(0)
@@ -281,6 +291,10 @@ class FederatedServer:
         for info in self.dispatch.actor_info():
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
         summary["client_actor_nodes"] = nodes
+        if self.accountant is not None:
+            a = self.accountant
+            summary.update({"dp_epsilon": a.epsilon(int(self.cfg.rounds)), "dp_delta": a.delta,
+                            "dp_noise_multiplier": a.noise_multiplier, "dp_clip": a.clip})
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
         return summary

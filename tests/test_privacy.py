@@ -1,0 +1,129 @@
+"""Central DP (raysim/privacy/): clipping bounds each client's contribution, the noise has
+the stated scale and is reproducible, the accountant gives dp-accounting's published value,
+runs are bit-identical across packing, and what cannot be private is refused."""
+import math
+
+import pytest
+import torch
+
+from raysim.aggregation import ServerRule
+from raysim.config import ConfigError, load_config
+from raysim.privacy.central import CentralDP
+from raysim.run import main
+from raysim.testing import InProcessServer
+
+pytest.importorskip("dp_accounting")
+
+
+def rule(clip=1.0, z=0.0, k=4, seed=0):
+    return ServerRule(load_config().server, {"w"}, privacy=CentralDP(clip, z, k, seed))
+
+
+def test_clipping_bounds_every_clients_contribution():
+    """Without noise the step is the sum of the clipped updates over K: each client moves the
+    model by at most clip / K, an update already inside the bound goes in unchanged, and the
+    clients' sample counts do not weigh (DP-FedAvg's uniform weights)."""
+    current = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    big = {"w": current["w"] + torch.tensor([30.0, -40.0, 0.0])}  # update norm 50
+    small = {"w": current["w"] + torch.tensor([0.3, 0.0, -0.4])}  # update norm 0.5
+    for state, weight in ((big, 1000.0), (small, 1.0)):
+        fold = rule(clip=2.0, k=4).round(current, 1)
+        fold.add(state, weight)
+        step = fold.result(current)["w"] - current["w"]
+        assert float(step.norm()) <= 2.0 / 4 + 1e-6
+    fold = rule(clip=2.0, k=4).round(current, 1)
+    fold.add(big, 1000.0)
+    fold.add(small, 1.0)
+    step = fold.result(current)["w"] - current["w"]
+    expected = (torch.tensor([30.0, -40.0, 0.0]) * (2.0 / 50) + torch.tensor([0.3, 0.0, -0.4])) / 4
+    assert torch.allclose(step, expected, atol=1e-6)
+    assert fold.metrics() == {"dp_clients": 2, "dp_clipped_fraction": 0.5}
+
+
+def test_noise_has_the_stated_scale_and_is_the_same_for_the_same_seed_and_round():
+    dp = CentralDP(clip=0.5, noise_multiplier=1.5, clients_per_round=10, seed=3)
+    like = {"a": torch.zeros(400_000), "b": torch.zeros(100, 1000)}
+    n = dp.noise(like, rnd=7)
+    draws = torch.cat([n["a"], n["b"].flatten()])
+    assert abs(float(draws.std()) / (1.5 * 0.5) - 1) < 0.01 and abs(float(draws.mean())) < 0.005
+    assert all(torch.equal(n[k], dp.noise(like, rnd=7)[k]) for k in like)
+    assert not torch.equal(n["a"], dp.noise(like, rnd=8)["a"])
+    assert not torch.equal(n["a"], CentralDP(0.5, 1.5, 10, seed=4).noise(like, rnd=7)["a"])
+    # through the fold: with every client dropped the model still moves, by the noise over K
+    current = {"w": torch.zeros(200_000)}
+    step = rule(clip=0.5, z=1.5, k=10).round(current, 1).result(current)["w"]
+    assert abs(float(step.std()) / (1.5 * 0.5 / 10) - 1) < 0.01
+
+
+def test_the_accountant_gives_the_librarys_reference_value():
+    """dp-accounting's own test (rdp_privacy_accountant_test.test_compute_epsilon_delta_gaussian):
+    the Gaussian mechanism with noise multiplier 4.530877117, no sampling, is exactly
+    (1, 1e-6)-DP. Here: every client in the one round (K = N). Our accountant uses the
+    library's default RDP orders, coarser than that test's. The run's per-round epsilon (one
+    round's RDP curve, scaled) is the library's composition of r rounds."""
+    from raysim.privacy.accountant import Accountant, epsilon, noise_for_epsilon
+
+    eps = epsilon(4.530877117, num_clients=50, clients_per_round=50, rounds=1, delta=1e-6)
+    assert eps == pytest.approx(1.0, abs=1e-5)
+    run = Accountant(load_config(overrides=["privacy.mode=central", "privacy.noise_multiplier=1.0", "num_clients=1000",
+                                            "clients_per_round=10", "rounds=100"]))
+    assert run.delta == pytest.approx(1000 ** -1.1)
+    for r in (1, 7, 100):
+        assert run.epsilon(r) == pytest.approx(epsilon(1.0, 1000, 10, r, run.delta), rel=1e-12)
+    # sampling 10 of 1,000 clients a round costs far less per round than taking everyone
+    assert epsilon(1.0, 1000, 10, 100, 1e-5) < epsilon(1.0, 1000, 1000, 100, 1e-5) / 10
+    z = noise_for_epsilon(2.0, 1000, 10, 100, 1e-5)
+    assert 1.9 < epsilon(z, 1000, 10, 100, 1e-5) <= 2.0 + 1e-6
+    assert epsilon(z * 0.9, 1000, 10, 100, 1e-5) > 2.0
+    assert epsilon(0.0, 1000, 10, 100, 1e-5) == math.inf
+
+
+def test_private_runs_are_bit_identical_across_packing_and_report_epsilon(ray_local, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    common = ["dataset=digits", "model=mlp", "num_clients=12", "clients_per_round=6", "rounds=3",
+              "privacy.mode=central", "privacy.clip=0.5", "privacy.target_epsilon=8", "algorithm=fedprox",
+              f"output_dir={tmp_path}", "--quiet"]
+    models = []
+    for actors in (1, 3):
+        assert main([*common, f"resources.num_actors={actors}", f"run_name=a{actors}"]) == 0
+        models.append(torch.load(tmp_path / f"a{actors}" / "model.pt", weights_only=True)["global"])
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+    summary = json.loads((tmp_path / "a1" / "summary.json").read_text())
+    assert 7.5 < summary["dp_epsilon"] <= 8.0 + 1e-6 and summary["dp_noise_multiplier"] > 0
+    assert summary["dp_delta"] == pytest.approx(12 ** -1.1)
+    rows = pq.read_table(tmp_path / "a1" / "metrics.parquet").to_pylist()
+    eps = [r["epsilon"] for r in rows]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(summary["dp_epsilon"])
+    assert all(0 <= r["dp_clipped_fraction"] <= 1 for r in rows)
+    # the same noise multiplier given directly: the same model as the one target_epsilon chose
+    z = summary["dp_noise_multiplier"]
+    mine = InProcessServer.from_config(load_config(overrides=[o for o in common if "=" in o and "target" not in o
+                                                              and "output_dir" not in o]
+                                                   + [f"privacy.noise_multiplier={z}"]))
+    torch.set_num_threads(1)
+    mine.run()
+    assert all(torch.equal(models[0][k], v) for k, v in mine.algorithm.model.state_dict().items())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["privacy.mode=central", "algorithm=scaffold"], "does not fold its clients' updates through raysim's server"),
+    (["privacy.mode=central", "algorithm=ccvr"], "feature"),
+    (["privacy.mode=central", "server.aggregator=median"], "needs server.aggregator=mean"),
+    (["privacy.mode=central", "selection=fedentopt"], "the accountant assumes the random selection"),
+    (["privacy.mode=central", "privacy.clip=0"], "privacy.clip must be > 0"),
+    (["privacy.mode=local"], "privacy.mode must be none or central"),
+])
+def test_what_cannot_be_private_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_a_model_with_batchnorm_statistics_is_refused_before_anything_is_written(ray_local, tmp_path, capsys):
+    code = main(["privacy.mode=central", "privacy.noise_multiplier=1", "model=vgg9", "model_options.norm=batch",
+                 "num_clients=4", "rounds=1", f"output_dir={tmp_path / 'runs'}", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "BatchNorm statistics), which would be averaged without" in err, err
+    assert not (tmp_path / "runs").exists()
