@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, RunDiverged, WriteFailed
 
 
 def split_values(text: str) -> list[str]:
@@ -200,9 +200,20 @@ def run_point(point: dict, files: list, cwd: str) -> dict:
 
 
 def _trial(params: dict) -> None:
+    """A point's trial. Bad input the server finds (a partition that leaves a client empty),
+    a diverged run or a failure in an algorithm's code is reported as the point's result
+    (`raysim_error`, said in one line by `sweep`) rather than raised, which would have Tune
+    print its own traceback."""
     from ray import tune
 
-    tune.report(run_point(params["point"], params["files"], params["cwd"]))
+    from raysim.launch import RunFailed, ServerDied
+
+    try:
+        result = run_point(params["point"], params["files"], params["cwd"])
+    except (ConfigError, RunDiverged, RunFailed, ServerDied, WriteFailed) as e:
+        tune.report({"raysim_error": f"{type(e).__name__}: {e}"})
+        return
+    tune.report(result)
 
 
 def concurrency(points: list[dict]) -> int:
@@ -240,9 +251,10 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
         run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir / ".tune"), verbose=0),
     )
     results = tuner.fit()  # Tune catches Ctrl-C itself: it stops the trials and returns
-    failed = [r for r in results if r.error is not None]
+    failed = [r for r in results if r.error is not None or (r.metrics or {}).get("raysim_error")]
     for r in failed:
-        say(f"point {r.config['point']['name']} failed: {str(r.error).splitlines()[-1][:200]}")
+        why = (r.metrics or {}).get("raysim_error") or str(r.error).splitlines()[-1]
+        say(f"point {r.config['point']['name']} failed: {why.splitlines()[0][:300]}")
     done = sum((Path(p["run_dir"]) / "summary.json").is_file() for p in points)
     if failed:
         raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")

@@ -293,7 +293,8 @@ class FederatedServer:
         summary["client_actor_nodes"] = nodes
         if self.accountant is not None:
             a = self.accountant
-            summary.update({"dp_epsilon": a.epsilon(int(self.cfg.rounds)), "dp_delta": a.delta,
+            spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity
+            summary.update({"dp_epsilon": spent if math.isfinite(spent) else None, "dp_delta": a.delta,
                             "dp_noise_multiplier": a.noise_multiplier, "dp_clip": a.clip})
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
