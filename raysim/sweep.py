@@ -199,21 +199,23 @@ def run_point(point: dict, files: list, cwd: str) -> dict:
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
 
 
-def _trial(params: dict) -> None:
-    """A point's trial. Bad input the server finds (a partition that leaves a client empty),
-    a diverged run or a failure in an algorithm's code is reported as the point's result
-    (`raysim_error`, said in one line by `sweep`) rather than raised, which would have Tune
-    print its own traceback."""
-    from ray import tune
-
+def point_result(point: dict, files: list, cwd: str) -> dict:
+    """What a trial reports: the point's summary, or, for bad input the server finds (a
+    partition that leaves a client empty), a diverged run or a failure in an algorithm's
+    code, `raysim_error` (said in one line by `sweep`): raised, it would have Tune print its
+    own traceback."""
     from raysim.launch import RunFailed, ServerDied
 
     try:
-        result = run_point(params["point"], params["files"], params["cwd"])
+        return run_point(point, files, cwd)
     except (ConfigError, RunDiverged, RunFailed, ServerDied, WriteFailed) as e:
-        tune.report({"raysim_error": f"{type(e).__name__}: {e}"})
-        return
-    tune.report(result)
+        return {"raysim_error": f"{type(e).__name__}: {e}"}
+
+
+def _trial(params: dict) -> None:
+    from ray import tune
+
+    tune.report(point_result(params["point"], params["files"], params["cwd"]))
 
 
 def concurrency(points: list[dict]) -> int:

@@ -288,6 +288,22 @@ def test_a_sweep_never_reports_another_configs_results(ray_local, tmp_path, caps
     assert sweep([*SWEEP, "run_name=x", "--output-dir", str(tmp_path)]) == 2
 
 
+def test_a_point_the_server_refuses_is_reported_in_one_line(ray_local, tmp_path, monkeypatch):
+    """A trial reports a point whose data the server refuses (400 clients on digits' 1,437
+    training images) as `raysim_error`, one line, instead of raising into Tune (which prints
+    its traceback); `sweep` says it as `point X failed: ...`. A good point reports its summary."""
+    from raysim.sweep import parse, plan, point_result
+
+    monkeypatch.chdir(tmp_path)
+    _, files, fixed, grid = parse(["num_clients=6,400", "algorithm=fedavg", "model=mclr", "rounds=1"], None)
+    good, bad = plan(files, fixed, grid, tmp_path / "s")
+    said = point_result(bad, files, str(tmp_path))
+    assert list(said) == ["raysim_error"] and "\n" not in said["raysim_error"], said
+    assert said["raysim_error"].startswith("ConfigError: partition 'dirichlet'") and "1437 training samples" in said["raysim_error"]
+    assert not (tmp_path / "s" / "num_clients=400").exists()
+    assert 0 <= point_result(good, files, str(tmp_path))["final_accuracy"] <= 1
+
+
 @pytest.mark.parametrize("text, says", [
     ("grid: [1, 2]\n", "grid must be a mapping {key: [values]}, got [1, 2]"),
     ("name: [1]\ngrid: {seed: [0, 1]}\n", "name must be a folder name"),
