@@ -187,14 +187,16 @@ def test_the_docs_composition_table_is_the_registrys():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "algorithms.md").read_text()
     rows = doc.split("<!-- composition table -->\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    shown = {r.split("|")[1].strip().strip("`"): [c.strip() for c in r.split("|")[2:6]] for r in rows}
+    shown = {r.split("|")[1].strip().strip("`"): [c.strip() for c in r.split("|")[2:7]] for r in rows}
     yn = {True: "yes", False: "no"}
     for name in registry.ALGORITHMS.names():
         a = registry.ALGORITHMS.get(name)
         if not registry.module_of(a).startswith("raysim."):
             continue
         opt = "yes" if "optimizer" in a.server_parts else ("its own momentum" if "aggregator" in a.server_parts else "no")
-        assert shown[name] == [yn["aggregator" in a.server_parts], opt, yn[a.vectorizes()], yn[a.trains_on_base_loss]], name
+        privacy = "central" if "privacy" in a.server_parts else "no"
+        assert shown[name] == [yn["aggregator" in a.server_parts], opt, yn[a.vectorizes()], yn[a.trains_on_base_loss],
+                               privacy], name
 
 
 # ---------------------------------------------------------------- partial sums inside the actors
