@@ -36,7 +36,7 @@ def test_clipping_bounds_every_clients_contribution():
     step = fold.result(current)["w"] - current["w"]
     expected = (torch.tensor([30.0, -40.0, 0.0]) * (2.0 / 50) + torch.tensor([0.3, 0.0, -0.4])) / 4
     assert torch.allclose(step, expected, atol=1e-6)
-    assert fold.metrics() == {"dp_clients": 2, "dp_clipped_fraction": 0.5}
+    assert fold.metrics() == {"dp_clients": 2, "dp_clip": 2.0, "dp_clipped_fraction": 0.5}
 
 
 def test_noise_has_the_stated_scale_and_is_the_same_for_the_same_seed_and_round():
@@ -52,6 +52,34 @@ def test_noise_has_the_stated_scale_and_is_the_same_for_the_same_seed_and_round(
     current = {"w": torch.zeros(200_000)}
     step = rule(clip=0.5, z=1.5, k=10).round(current, 1).result(current)["w"]
     assert abs(float(step.std()) / (1.5 * 0.5 / 10) - 1) < 0.01
+
+
+def test_the_adaptive_clip_moves_geometrically_toward_the_target_quantile():
+    """Andrew et al. 2021's geometric update, without noise (z = 0, sigma_b = 0) so it can be
+    computed by hand: every update clipped (b = 0) grows the clip by exp(0.2 * 0.5); every
+    update inside it (b = 1) shrinks it by exp(-0.2 * 0.5). The clip is the rule's state (a
+    checkpoint keeps it). With noise, the updates' share of z is (z^-2 - (2 sigma_b)^-2)^-1/2."""
+    dp = CentralDP(0.1, 0.0, 4, 0, adaptive=True, target_quantile=0.5, clip_lr=0.2, count_stddev=0.0)
+    r = ServerRule(load_config().server, {"w"}, privacy=dp)
+    current = {"w": torch.zeros(3)}
+    fold = r.round(current, 1)
+    for _ in range(4):
+        fold.add({"w": torch.tensor([1.0, 0.0, 0.0])}, 1.0)  # norm 1 > 0.1
+    fold.result(current)
+    assert fold.metrics()["dp_clip"] == 0.1 and dp.clip_norm == pytest.approx(0.1 * math.exp(0.1), rel=1e-12)
+    fold = r.round(current, 2)
+    for _ in range(4):
+        fold.add({"w": torch.tensor([0.01, 0.0, 0.0])}, 1.0)
+    fold.result(current)
+    assert dp.clip_norm == pytest.approx(0.1, rel=1e-12)
+    saved = r.state_dict()["dp_clip"]
+    other = CentralDP(0.7, 0.0, 4, 0, adaptive=True)
+    ServerRule(load_config().server, {"w"}, privacy=other).load_state_dict({"dp_clip": saved})
+    assert other.clip_norm == pytest.approx(0.1, rel=1e-12)
+    noisy = CentralDP(1.0, 1.0, 100, 0, adaptive=True)  # sigma_b = 100 / 20 = 5
+    assert noisy.update_noise_multiplier == pytest.approx((1.0 - 1 / 100) ** -0.5)
+    with pytest.raises(ConfigError, match="privacy.clip_count_stddev=0.5"):
+        CentralDP(1.0, 2.0, 10, 0, adaptive=True)  # sigma_b = 0.5: 2 sigma_b <= z
 
 
 def test_the_accountant_gives_the_librarys_reference_value():
@@ -120,3 +148,19 @@ def test_a_model_with_batchnorm_statistics_is_refused_before_anything_is_written
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "BatchNorm statistics), which would be averaged without" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_adaptive_clip_resumes_bit_for_bit(ray_local, tmp_path):
+    common = ["dataset=digits", "model=mclr", "num_clients=12", "clients_per_round=6", "privacy.mode=central",
+              "privacy.clip=0.05", "privacy.noise_multiplier=0.5", "privacy.adaptive_clip=true", "checkpoint_every=2",
+              f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=2", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=4", "--quiet"]) == 0
+    assert main([*common, "rounds=4", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("part", "whole"))
+    assert all(torch.equal(a["global"][k], b["global"][k]) for k in b["global"]) and torch.equal(a["dp_clip"], b["dp_clip"])
+    import pyarrow.parquet as pq
+
+    clips = [r["dp_clip"] for r in pq.read_table(tmp_path / "whole" / "metrics.parquet").to_pylist()]
+    assert clips[0] == 0.05 and len(set(clips)) == 4  # the clip moved every round
+

@@ -50,10 +50,12 @@ class ServerRule:
         return RoundFold(self)
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        return {**self.optimizer.state_dict(), **(self.privacy.state_dict() if self.privacy is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state)
 
 
 class RoundFold:
@@ -124,9 +126,13 @@ class PrivateFold:
                   for k in self.start}
         trainable = {k: v for k, v in current.items() if k in self.rule.trainable}
         stepped = self.rule.optimizer.step(trainable, target)
+        self.clip_used = dp.clip_norm
+        dp.adapt(self.clients - self.clipped, self.rnd)  # adaptive clipping: next round's clip
         return {k: stepped[k] if k in stepped else current[k] for k in current}
 
     def metrics(self) -> dict:
-        """The round's clipping: how many updates were scaled down (tune `privacy.clip` with it)."""
-        return {"dp_clients": self.clients, "dp_clipped_fraction": self.clipped / self.clients if self.clients else None}
+        """The round's clipping: the clip, how many updates it scaled down (tune `privacy.clip`
+        with it, or let `privacy.adaptive_clip` follow a quantile)."""
+        return {"dp_clients": self.clients, "dp_clip": getattr(self, "clip_used", self.rule.privacy.clip_norm),
+                "dp_clipped_fraction": self.clipped / self.clients if self.clients else None}
 

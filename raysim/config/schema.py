@@ -159,6 +159,10 @@ class PrivacyConfig:
     noise_multiplier: float = 0.0  # central: the noise on the sum has standard deviation noise_multiplier * clip
     target_epsilon: Optional[float] = None  # choose noise_multiplier so that `rounds` rounds spend this epsilon (wins)
     delta: Optional[float] = None  # the delta of (epsilon, delta); default 1 / num_clients^1.1
+    adaptive_clip: bool = False  # central: the clip follows a quantile of the update norms (Andrew et al. 2021); clip is its start
+    target_quantile: float = 0.5  # adaptive: the share of updates the clip should leave unscaled
+    clip_lr: float = 0.2  # adaptive: the clip's geometric step, clip * exp(-clip_lr * (unscaled share - target_quantile))
+    clip_count_stddev: Optional[float] = None  # adaptive: the noise on the count of unscaled updates (default K / 20)
 
 
 @dataclass

@@ -256,6 +256,10 @@ def check_privacy(cfg: DictConfig, need) -> None:
     need(pv.noise_multiplier >= 0, f"privacy.noise_multiplier must be >= 0, got {pv.noise_multiplier}")
     need(pv.target_epsilon is None or pv.target_epsilon > 0, f"privacy.target_epsilon must be > 0, got {pv.target_epsilon}")
     need(pv.delta is None or 0 < pv.delta < 1, f"privacy.delta must be in (0, 1), got {pv.delta}")
+    need(0 < pv.target_quantile < 1, f"privacy.target_quantile must be in (0, 1), got {pv.target_quantile}")
+    need(pv.clip_lr > 0, f"privacy.clip_lr must be > 0, got {pv.clip_lr}")
+    need(pv.clip_count_stddev is None or pv.clip_count_stddev >= 0,
+         f"privacy.clip_count_stddev must be >= 0, got {pv.clip_count_stddev}")
     import importlib.util
 
     need(importlib.util.find_spec("dp_accounting") is not None,

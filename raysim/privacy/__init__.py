@@ -3,8 +3,9 @@ its clients' models through raysim's server parts (`Algorithm.server_parts` hold
 "privacy": FedAvg and the client-side methods built on it) takes with `privacy.*`:
 
 - `central.CentralDP`: DP-FedAvg's server side (user-level DP; McMahan et al. 2018): each
-  client's update clipped in L2, Gaussian noise on their sum, the sum divided by the
-  fixed cohort size, then the server's optimiser (post-processing);
+  client's update clipped in L2 (a fixed clip, or one that follows a quantile of the norms:
+  Andrew et al. 2021), Gaussian noise on their sum, the sum divided by the fixed cohort
+  size, then the server's optimiser (post-processing);
 - `accountant`: the (epsilon, delta) a run spends, from Google's dp-accounting (RDP), for
   raysim's sampling: a fixed number of clients drawn uniformly without replacement each
   round; `privacy.target_epsilon` chooses the noise multiplier.

@@ -62,16 +62,19 @@ class FederatedServer:
                 self.ckpt = checkpoint.load_checked(self.cfg)
             else:
                 self.run_dir = run_dir or run_dir_for(self.cfg)
+            self.accountant = None
+            if self.cfg.privacy.mode != "none":  # the noise multiplier first: the algorithm's server rule reads it
+                from raysim.privacy.accountant import Accountant
+
+                self.accountant = Accountant(self.cfg, resumed=bool(self.cfg.resume))
+                self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
+                from raysim.privacy.central import CentralDP
+
+                CentralDP.from_config(self.cfg)  # refuses an adaptive clip whose count noise is too small, now
         except BaseException:
             for a in actors[0] if actors is not None else ():  # refused before the run: not kept
                 ray.kill(a)
             raise
-        self.accountant = None
-        if self.cfg.privacy.mode != "none":  # the noise multiplier first: the algorithm's server rule reads it
-            from raysim.privacy.accountant import Accountant
-
-            self.accountant = Accountant(self.cfg, resumed=bool(self.cfg.resume))
-            self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors)  # the actors start while the data loads
         try:
             data, part, num_classes = prepare(self.cfg)
