@@ -46,8 +46,7 @@ class FedAvg(Algorithm):
         if new is None:  # every client dropped out: keep the model
             return {}
         self.model.load_state_dict(new)
-        extra = fold.metrics() if hasattr(fold, "metrics") else {}  # privacy: the round's clipping
-        return {"train_loss": loss_sum / fold.total if fold.total > 0 else None, **extra}
+        return {"train_loss": loss_sum / fold.total if fold.total > 0 else None, **fold.metrics()}
 
     def eval_models(self) -> dict:
         return {"global": self.model}

@@ -92,6 +92,10 @@ class RoundFold:
         stepped = self.rule.optimizer.step(trainable, {k: combined[k] for k in trainable})
         return {k: stepped[k] if k in stepped else combined[k] for k in current}
 
+    def metrics(self) -> dict:
+        """The round's metrics of the fold itself (none; `PrivateFold` reports its clipping)."""
+        return {}
+
 
 class PrivateFold:
     """A round under `privacy.mode=central` (privacy/central.py): each client's update
@@ -102,12 +106,13 @@ class PrivateFold:
     def __init__(self, rule: ServerRule, current: dict[str, torch.Tensor], rnd: int):
         self.rule, self.rnd = rule, rnd
         self.start = {k: v.detach().clone() for k, v in current.items() if k in rule.trainable}
+        self.start64 = {k: v.double() for k, v in self.start.items()}  # updates are taken in float64, once per client
         self.sum = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in self.start.items()}
         self.total = 0.0  # the clients' sample weights, for the caller's weighted train loss
         self.clients = self.clipped = 0
 
     def add(self, state: dict[str, torch.Tensor], weight: float) -> None:
-        update, clipped = self.rule.privacy.clip({k: state[k].double() - self.start[k].double() for k in self.start})
+        update, clipped = self.rule.privacy.clip({k: state[k].double() - self.start64[k] for k in self.start})
         for k, u in update.items():
             self.sum[k] += u
         self.clients += 1
@@ -122,7 +127,7 @@ class PrivateFold:
         the mechanism's output whatever came in)."""
         dp = self.rule.privacy
         noise = dp.noise(self.start, self.rnd)
-        target = {k: (self.start[k].double() + (self.sum[k] + noise[k]) / dp.clients_per_round).to(self.start[k].dtype)
+        target = {k: (self.start64[k] + (self.sum[k] + noise[k]) / dp.clients_per_round).to(self.start[k].dtype)
                   for k in self.start}
         trainable = {k: v for k, v in current.items() if k in self.rule.trainable}
         stepped = self.rule.optimizer.step(trainable, target)
