@@ -64,6 +64,7 @@ def pooled_gaussians(stats: list[dict], dim: int) -> dict[int, tuple[np.ndarray,
 
 @ALGORITHMS.register("ccvr")
 class CCVR(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: it uploads feature statistics DP-SGD does not cover
     Options = CCVROptions
     server_parts = ("aggregator", "optimizer")
     own_server_rule = ("its clients also upload their features' class means and covariances, which no noise "

@@ -53,6 +53,7 @@ def flat(state: dict, names) -> torch.Tensor:
 
 class GroupModels(FedAvg):
     """m group models, each trained by FedAvg over its members (module docstring)."""
+    trains_privately = False  # privacy.mode=local refused: a client picks its group by its loss on its data, outside DP-SGD
 
     server_parts = ()
     returns_model = False  # a client may return its pick of m models (IFCA, FeSEM)

@@ -127,6 +127,7 @@ def matching_loss(fed: tuple, real: tuple, reduction: str = "mean") -> torch.Ten
 
 @ALGORITHMS.register("creff")
 class CReFF(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: it uploads per-class gradients DP-SGD does not cover
     returns_model = False  # it returns the model with its per-class gradients
     server_parts = ("aggregator", "optimizer")
     own_server_rule = "its clients also upload per-class gradients, which no noise covers"

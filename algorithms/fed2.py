@@ -110,6 +110,7 @@ def groupable_models() -> list[str]:
 
 @ALGORITHMS.register("fed2")
 class Fed2(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: its group-wise training corrects gradients outside DP-SGD
     server_parts = ()
     returns_model = False  # it returns the weights with its samples per group
     own_server_rule = "its aggregate is the paired, per-group weighted mean"

@@ -20,6 +20,7 @@ from raysim.training import base_loss, base_sample_loss, cpu_state, local_sgd, p
 class FedAvg(Algorithm):
     server_parts = ("aggregator", "optimizer", "privacy")  # server.aggregator / server.optimizer / privacy.* apply
     returns_model = True  # client_update returns the trained model: model attacks apply
+    trains_privately = True  # local_sgd on base_loss: privacy.mode=local (DP-SGD) applies
 
     # ---- server ----
     def setup(self, server: Server) -> None:

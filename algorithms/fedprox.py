@@ -29,6 +29,7 @@ def proximal_loss(mu: float, global_params: list[torch.Tensor], base=cross_entro
 
 @ALGORITHMS.register("fedprox")
 class FedProx(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: the proximal term's gradient is not a per-sample one
     Options = FedProxOptions
 
     def local_loss(self, client: Client, payload: dict):

@@ -51,6 +51,7 @@ def restricted_logits(logits: torch.Tensor, present: torch.Tensor, alpha: float)
 
 @ALGORITHMS.register("fedrs")
 class FedRS(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: its loss reads the classifier's weights directly, past Opacus' hooks
     Options = FedRSOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
 

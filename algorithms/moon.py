@@ -92,6 +92,7 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
 
 @ALGORITHMS.register("moon")
 class Moon(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: its contrastive loss runs two more models
     Options = MoonOptions
     trains_on_base_loss = False  # its own loss (local.focal_gamma does not apply)
     client_state = True  # the client's model after its previous round

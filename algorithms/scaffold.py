@@ -52,6 +52,7 @@ def control_variate_update(c_i: dict, c: dict, x: dict, y: dict, steps: float, l
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(FedAvg):
+    trains_privately = False  # privacy.mode=local refused: it corrects the gradients outside DP-SGD
     server_parts = ()
     returns_model = False  # it returns dy and dc
     own_server_rule = "its server step adds the mean of dy and updates the control variate c"

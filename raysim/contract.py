@@ -106,6 +106,13 @@ class Algorithm:
     """True: local training minimises `training.base_loss` (cross-entropy, or the focal loss
     with `local.focal_gamma`), possibly plus a penalty (FedProx); False: its own loss, and
     `local.focal_gamma` is refused."""
+    trains_privately: ClassVar[bool] = False
+    """True: its clients train with `training.local_sgd` (no gradient or weight hooks) on a
+    loss that is the mean of per-sample losses computed through the model's modules, and
+    upload nothing else about their data: `privacy.mode=local` (DP-SGD through Opacus,
+    raysim/privacy/local.py) applies. A penalty on the weights (FedProx), a loss that reads
+    a layer's weights directly (FedRS) or extra uploads (CCVR's statistics) would escape
+    Opacus' per-sample clipping."""
     server_parts: ClassVar[tuple] = ()
     """The server parts its aggregation takes, of "aggregator" and "optimizer"
     (`server.aggregator`, `server.optimizer`: raysim/aggregation/): an algorithm that folds

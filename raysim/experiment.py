@@ -58,6 +58,13 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
             raise ConfigError(f"privacy.mode={cfg.privacy.mode}: model={cfg.model!r} keeps buffers ({buffers[0]}, ...: "
                               "BatchNorm statistics), which would be averaged without clipping or noise; use a model "
                               "without BatchNorm (model_options.norm=group where the model has it)")
+        if cfg.privacy.mode == "local":  # what Opacus cannot train with per-sample gradients
+            from raysim.privacy.local import model_problems
+
+            problems = model_problems(algorithm.build_model(data.input_shape))
+            if problems:
+                raise ConfigError(f"privacy.mode=local: Opacus cannot train model={cfg.model!r} privately: "
+                                  f"{'; '.join(problems)}")
     return data, part, n_classes
 
 

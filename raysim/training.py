@@ -119,11 +119,17 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     generator, so the result depends only on (seed, round, client id). `on_gradients`
     runs between backward and the step (SCAFFOLD corrects the gradients there),
     `after_step` after each step (NIID-Bench's SCAFFOLD corrects the weights there).
+    `privacy.mode=local`: DP-SGD instead (privacy/local.py; the config admits only
+    algorithms whose loss is a per-sample mean and that pass neither hook).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
     steps = int(loc.steps) if steps is None else steps
     lr = round_lr(loc, client.round)
+    if client.cfg.privacy.mode == "local":  # DP-SGD through Opacus (raysim/privacy/local.py)
+        from raysim.privacy.local import private_sgd
+
+        return private_sgd(client, model, loss_fn, epochs, steps, lr)
     opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
     n, bs = client.num_samples, int(loc.batch_size)
     skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one

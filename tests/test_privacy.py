@@ -1,6 +1,7 @@
-"""Central DP (raysim/privacy/): clipping bounds each client's contribution, the noise has
-the stated scale and is reproducible, the accountant gives dp-accounting's published value,
-runs are bit-identical across packing, and what cannot be private is refused."""
+"""DP (raysim/privacy/), central and local: clipping bounds each client's (each sample's)
+contribution, the noise has the stated scale and is reproducible, the accountants give
+dp-accounting's values, runs are bit-identical across packing and resume, and what cannot
+be private is refused."""
 import math
 
 import pytest
@@ -135,7 +136,10 @@ def test_private_runs_are_bit_identical_across_packing_and_report_epsilon(ray_lo
     (["privacy.mode=central", "server.aggregator=median"], "needs server.aggregator=mean"),
     (["privacy.mode=central", "selection=fedentopt"], "the accountant assumes the random selection"),
     (["privacy.mode=central", "privacy.clip=0"], "privacy.clip must be > 0"),
-    (["privacy.mode=local"], "privacy.mode must be none or central"),
+    (["privacy.mode=shuffle"], "privacy.mode must be none, central or local"),
+    (["privacy.mode=local", "algorithm=fedprox"], "algorithms it covers: .*fedavg.*fedlc"),
+    (["privacy.mode=local", "local.vectorize=true"], "set local.vectorize=false"),
+    (["privacy.mode=local", "privacy.adaptive_clip=true"], "privacy.adaptive_clip is central's"),
 ])
 def test_what_cannot_be_private_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -164,3 +168,111 @@ def test_an_adaptive_clip_resumes_bit_for_bit(ray_local, tmp_path):
     clips = [r["dp_clip"] for r in pq.read_table(tmp_path / "whole" / "metrics.parquet").to_pylist()]
     assert clips[0] == 0.05 and len(set(clips)) == 4  # the clip moved every round
 
+
+
+def _per_sample_step(model, x, y, lr, clip):
+    """DP-SGD's noise-free step by hand: each sample's gradient on its own, clipped to `clip`,
+    averaged over the batch, times -lr."""
+    import torch.nn.functional as F
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(len(y)):
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, clip / (norm + 1e-6))
+    return [-lr * t / len(y) for t in total]
+
+
+@pytest.mark.parametrize("model_name, shape", [("mlp", (1, 8, 8)), ("cnn", (1, 28, 28))])
+def test_local_dp_sgd_clips_each_samples_gradient_and_adds_the_stated_noise(model_name, shape):
+    """Opacus' path on the mlp and the cnn: one step on a batch of all n <= batch_size samples
+    (q = 1), no momentum. Without noise the step is -lr times the mean of the per-sample
+    gradients each clipped to `clip` (computed here one sample at a time); with noise z the
+    difference from that step is Gaussian with standard deviation lr * z * clip / n, the same
+    draw for the same (seed, round, client) and another for another client."""
+    pytest.importorskip("opacus")
+    from raysim.contract import Client
+    from raysim.models import build_model
+    from raysim.training import local_sgd
+
+    n, lr, clip = 16, 0.5, 0.01
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    def step(z, cid=3):
+        cfg = load_config(overrides=["privacy.mode=local", f"privacy.clip={clip}", f"privacy.noise_multiplier={z}",
+                                     f"local.lr={lr}", "local.momentum=0", "local.weight_decay=0", "local.steps=1",
+                                     f"local.batch_size={n}"])
+        torch.manual_seed(1)
+        model = build_model(model_name, shape, 10)
+        start = [p.detach().clone() for p in model.parameters()]
+        client = Client(cid, 1, cfg, x, y, 10, torch.device("cpu"), torch.Generator().manual_seed(5), {}, model)
+        stats = local_sgd(client, model)
+        assert stats["steps"] == 1 and not any(hasattr(p, "grad_sample") for p in model.parameters())
+        assert not model._forward_hooks and all(not m._forward_hooks for m in model.modules())  # hooks removed
+        return [p.detach() - s for p, s in zip(model.parameters(), start)], start
+
+    clean, start = step(0.0)
+    torch.manual_seed(1)
+    model = build_model(model_name, shape, 10)
+    expected = _per_sample_step(model, x, y, lr, clip)
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(clean, expected))
+    assert float(torch.sqrt(sum((d ** 2).sum() for d in clean))) <= lr * clip + 1e-6  # each sample moves it <= lr C / n
+    noisy, _ = step(2.0)
+    diff = torch.cat([(a - b).flatten() for a, b in zip(noisy, clean)])
+    assert len(diff) > 2000 and abs(float(diff.std()) / (lr * 2.0 * clip / n) - 1) < 0.08
+    again, _ = step(2.0)
+    assert all(torch.equal(a, b) for a, b in zip(noisy, again))
+    other, _ = step(2.0, cid=4)
+    assert not torch.equal(noisy[0], other[0])
+
+
+def test_the_local_accountant_composes_each_clients_steps():
+    """Client i's epsilon is dp-accounting's for its steps of Poisson-sampled Gaussian at
+    q_i = batch_size / n_i (integer orders, a little looser than the default ones); the run
+    reports the largest; target_epsilon chooses z so that the smallest client in every round
+    spends at most it."""
+    import dp_accounting
+
+    from raysim.privacy.accountant import LocalAccountant
+
+    cfg = load_config(overrides=["privacy.mode=local", "privacy.noise_multiplier=1.1", "local.batch_size=10",
+                                 "local.epochs=1", "rounds=10", "privacy.delta=1e-5"])
+    acc = LocalAccountant(cfg, [1000, 100, 40])
+    reference = dp_accounting.rdp.RdpAccountant()
+    reference.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.1)), 1000)
+    assert acc.client_epsilon(0, 1000) == pytest.approx(reference.get_epsilon(1e-5), rel=0.03)
+    assert acc.client_epsilon(0, 1000) >= reference.get_epsilon(1e-5) - 1e-9
+    rows = [{"cid": c, "method": "client_update", "status": s, "epochs": 1} for c, s in ((0, "ok"), (2, "dropped"))]
+    spent = acc.after_round(1, rows)
+    assert acc.steps.tolist() == [100, 0, 0] and spent == acc.client_epsilon(0, 100)
+    assert acc.after_round(2, [{"cid": 2, "method": "client_update", "status": "ok", "epochs": 2}]) == max(
+        spent, acc.client_epsilon(2, 8))  # 2 epochs of ceil(40 / 10) steps
+    target = LocalAccountant(load_config(overrides=["privacy.mode=local", "privacy.target_epsilon=3", "local.batch_size=10",
+                                                    "local.epochs=1", "rounds=10", "privacy.delta=1e-5"]), [1000, 100, 40])
+    z = target.noise_multiplier
+    assert max(target.client_epsilon(c, int(target.per_round[c]) * 10) for c in range(3)) <= 3 + 1e-3
+    assert target.client_epsilon(2, 40, noise_multiplier=z * 0.95) > 3
+
+
+def test_local_dp_runs_are_bit_identical_across_packing_and_resume(ray_local, tmp_path):
+    """Local DP-SGD end to end: one actor, stopped after round 2 and resumed, against two
+    actors in one go: the same model and the same epsilon per round, bit for bit."""
+    pytest.importorskip("opacus")
+    import json
+
+    import pyarrow.parquet as pq
+
+    common = ["dataset=digits", "model=mlp", "num_clients=8", "clients_per_round=4", "privacy.mode=local",
+              "privacy.clip=1.0", "privacy.noise_multiplier=0.8", "algorithm=fedlc", "checkpoint_every=1",
+              f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=2", "resources.num_actors=1", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=3", "--quiet"]) == 0
+    assert main([*common, "rounds=3", "resources.num_actors=2", "run_name=whole"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("part", "whole"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    eps = [[r["epsilon"] for r in pq.read_table(tmp_path / n / "metrics.parquet").to_pylist()] for n in ("part", "whole")]
+    assert eps[0] == eps[1] and eps[1] == sorted(eps[1]) and eps[1][0] > 0
+    assert json.loads((tmp_path / "whole" / "summary.json").read_text())["dp_epsilon"] == eps[1][-1]

@@ -194,7 +194,8 @@ def test_the_docs_composition_table_is_the_registrys():
         if not registry.module_of(a).startswith("raysim."):
             continue
         opt = "yes" if "optimizer" in a.server_parts else ("its own momentum" if "aggregator" in a.server_parts else "no")
-        privacy = "central" if "privacy" in a.server_parts else "no"
+        modes = [m for m, on in (("central", "privacy" in a.server_parts), ("local", a.trains_privately)) if on]
+        privacy = ", ".join(modes) or "no"
         assert shown[name] == [yn["aggregator" in a.server_parts], opt, yn[a.vectorizes()], yn[a.trains_on_base_loss],
                                privacy], name
 

@@ -151,14 +151,15 @@ class ServerConfig:
 
 @dataclass
 class PrivacyConfig:
-    """Differential privacy of the clients' updates, for algorithms that fold them through
-    raysim's server parts (raysim/privacy/)."""
+    """Differential privacy of the clients' data (raysim/privacy/): central (user level, for
+    algorithms that fold their clients' updates through raysim's server parts) or local
+    (sample level, DP-SGD in each client's training, for algorithms it covers)."""
 
-    mode: str = "none"  # none | central (DP-FedAvg, user level: each update clipped, Gaussian noise on their sum)
-    clip: float = 1.0  # central: the L2 bound on a client's update (the change of its trainable parameters)
-    noise_multiplier: float = 0.0  # central: the noise on the sum has standard deviation noise_multiplier * clip
-    target_epsilon: Optional[float] = None  # choose noise_multiplier so that `rounds` rounds spend this epsilon (wins)
-    delta: Optional[float] = None  # the delta of (epsilon, delta); default 1 / num_clients^1.1
+    mode: str = "none"  # none | central (DP-FedAvg: each update clipped, Gaussian noise on their sum) | local (DP-SGD per client, Opacus)
+    clip: float = 1.0  # the L2 bound: central, on a client's update (its trainable parameters' change); local, on a sample's gradient
+    noise_multiplier: float = 0.0  # the noise's standard deviation is noise_multiplier * clip (central: on the sum; local: on each step's sum)
+    target_epsilon: Optional[float] = None  # choose noise_multiplier so that `rounds` rounds spend this epsilon (wins; local: a client in every round)
+    delta: Optional[float] = None  # the delta of (epsilon, delta); default central 1 / num_clients^1.1, local 1 / (largest client's samples)^1.1
     adaptive_clip: bool = False  # central: the clip follows a quantile of the update norms (Andrew et al. 2021); clip is its start
     target_quantile: float = 0.5  # adaptive: the share of updates the clip should leave unscaled
     clip_lr: float = 0.2  # adaptive: the clip's geometric step, clip * exp(-clip_lr * (unscaled share - target_quantile))

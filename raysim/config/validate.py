@@ -245,14 +245,16 @@ def check_attack(cfg: DictConfig, need) -> None:
 
 
 def check_privacy(cfg: DictConfig, need) -> None:
-    """`privacy.*`: ranges, the library the accountant needs, and a run whose server sees
+    """`privacy.*`: ranges, the libraries it needs, and (central) a run whose server sees
     nothing but the clipped, noised sum of the updates, with clients sampled the way the
-    accountant assumes (raysim/privacy/)."""
+    accountant assumes, or (local) an algorithm whose clients' training DP-SGD covers
+    (raysim/privacy/)."""
     pv = cfg.privacy
-    need(pv.mode in ("none", "central"), f"privacy.mode must be none or central, got {pv.mode!r}")
+    need(pv.mode in ("none", "central", "local"), f"privacy.mode must be none, central or local, got {pv.mode!r}")
     if pv.mode == "none":
         return
-    need(pv.clip > 0, f"privacy.clip must be > 0 (the L2 bound on a client's update), got {pv.clip}")
+    bound = "a client's update" if pv.mode == "central" else "a sample's gradient"
+    need(pv.clip > 0, f"privacy.clip must be > 0 (the L2 bound on {bound}), got {pv.clip}")
     need(pv.noise_multiplier >= 0, f"privacy.noise_multiplier must be >= 0, got {pv.noise_multiplier}")
     need(pv.target_epsilon is None or pv.target_epsilon > 0, f"privacy.target_epsilon must be > 0, got {pv.target_epsilon}")
     need(pv.delta is None or 0 < pv.delta < 1, f"privacy.delta must be in (0, 1), got {pv.delta}")
@@ -262,10 +264,23 @@ def check_privacy(cfg: DictConfig, need) -> None:
          f"privacy.clip_count_stddev must be >= 0, got {pv.clip_count_stddev}")
     import importlib.util
 
-    need(importlib.util.find_spec("dp_accounting") is not None,
-         "privacy.mode=central reports the (epsilon, delta) spent with Google's dp-accounting: "
-         "pip install 'raysim[privacy]' (or dp-accounting)")
+    for module, what in (("dp_accounting", "reports the (epsilon, delta) spent with Google's dp-accounting"),
+                         ("opacus", "trains each client with Opacus' DP-SGD")):
+        if module == "dp_accounting" or pv.mode == "local":
+            need(importlib.util.find_spec(module) is not None,
+                 f"privacy.mode={pv.mode} {what}: pip install 'raysim[privacy]' (or {module.replace('_', '-')})")
     algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    if pv.mode == "local":
+        if not algorithm.trains_privately:
+            takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).trains_privately]
+            raise ConfigError(f"privacy.mode=local: algorithm {cfg.algorithm!r} trains or uploads in ways DP-SGD's "
+                              f"per-sample clipping does not cover (see its trains_privately); algorithms it covers: "
+                              f"{', '.join(takes)}")
+        need(not pv.adaptive_clip, "privacy.adaptive_clip is central's (a quantile of the clients' update norms); "
+                                   "privacy.mode=local clips each sample's gradient at privacy.clip")
+        need(not cfg.local.vectorize, "privacy.mode=local trains each client with Opacus, one at a time: "
+                                      "set local.vectorize=false")
+        return
     if "privacy" not in algorithm.server_parts:
         takes = [n for n in registry.ALGORITHMS.names() if "privacy" in registry.ALGORITHMS.get(n).server_parts]
         why = algorithm.own_server_rule or "its server step is its own"

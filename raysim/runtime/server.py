@@ -62,12 +62,7 @@ class FederatedServer:
                 self.ckpt = checkpoint.load_checked(self.cfg)
             else:
                 self.run_dir = run_dir or run_dir_for(self.cfg)
-            self.accountant = None
-            if self.cfg.privacy.mode != "none":  # the noise multiplier first: the algorithm's server rule reads it
-                from raysim.privacy.accountant import Accountant
-
-                self.accountant = Accountant(self.cfg, resumed=bool(self.cfg.resume))
-                self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
+            if self.cfg.privacy.mode == "central":
                 from raysim.privacy.central import CentralDP
 
                 CentralDP.from_config(self.cfg)  # refuses an adaptive clip whose count noise is too small, now
@@ -82,6 +77,12 @@ class FederatedServer:
             self.dispatch.release()
             raise
         self.sizes = part.sizes()
+        self.accountant = None
+        if self.cfg.privacy.mode != "none":  # the noise multiplier before the clients and the server rule read it
+            from raysim.privacy.accountant import for_run
+
+            self.accountant = for_run(self.cfg, self.sizes, resumed=bool(self.cfg.resume))
+            self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         self.dispatch.share_data(OmegaConf.to_container(self.cfg), {"x_train": data.x_train, "y_train": data.y_train},
                                  part.train, num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
@@ -212,7 +213,7 @@ class FederatedServer:
                 row.update(local)
         row.update(extra)
         if self.accountant is not None:  # the (epsilon, delta) spent so far
-            row["epsilon"] = self.accountant.epsilon(rnd)
+            row["epsilon"] = self.accountant.after_round(rnd, record.rows)
         row.update(self.selection.round_metrics())
         if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
             cohort = self.true_counts[self._selected].sum(0)
@@ -276,12 +277,15 @@ class FederatedServer:
             "client_states": self.dispatch.client_states(),
             "torch_rng": torch.get_rng_state(),
             "bytes": list(self.dispatch.bytes),
+            "privacy": self.accountant.state_dict() if self.accountant is not None else {},
         })
 
     def _restore(self, ckpt: dict) -> None:
         self.algorithm.load_state_dict(ckpt["algorithm"])
         self.selection.load_state_dict(ckpt["selection"])
         self.dispatch.restore(ckpt["client_states"], ckpt["bytes"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(ckpt.get("privacy", {}))
         torch.set_rng_state(ckpt["torch_rng"])
         self.record.restore(ckpt)
         self.start_round = int(ckpt["round"]) + 1
