@@ -140,6 +140,10 @@ def test_private_runs_are_bit_identical_across_packing_and_report_epsilon(ray_lo
     (["privacy.mode=local", "algorithm=fedprox"], "algorithms it covers: .*fedavg.*fedlc"),
     (["privacy.mode=local", "local.vectorize=true"], "set local.vectorize=false"),
     (["privacy.mode=local", "privacy.adaptive_clip=true"], "privacy.adaptive_clip is central's"),
+    (["privacy.secure_aggregation=secagg", "algorithm=ccvr"], "needs more than the sum of its clients' models"),
+    (["privacy.secure_aggregation=secagg", "server.aggregator=median"], "server.aggregator must be mean"),
+    (["privacy.secure_aggregation=secagg", "privacy.mode=central"], "central DP clips each update on the server"),
+    (["privacy.secure_aggregation=sec"], "must be none, secagg or secagg_plus"),
 ])
 def test_what_cannot_be_private_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -276,3 +280,54 @@ def test_local_dp_runs_are_bit_identical_across_packing_and_resume(ray_local, tm
     eps = [[r["epsilon"] for r in pq.read_table(tmp_path / n / "metrics.parquet").to_pylist()] for n in ("part", "whole")]
     assert eps[0] == eps[1] and eps[1] == sorted(eps[1]) and eps[1][0] > 0
     assert json.loads((tmp_path / "whole" / "summary.json").read_text())["dp_epsilon"] == eps[1][-1]
+
+
+# ---------------------------------------------------------------- secure aggregation, simulated
+def test_secure_aggregation_costs_and_failures_by_hand():
+    """SecAgg on a cohort of 5 (complete graph, k = 4) with m = 100 entries of 32 bits: a
+    survivor uploads 2 keys (64 B) + 4 sealed share pairs (4 * 88 B) + the masked update
+    (400 B) + 4 unmasking shares (128 B) = 944 B and downloads 4 * 64 + 4 * 88 + 4 * 5 = 628 B.
+    One dropout: the server expands 4 self masks + the dropped client's 4 pairwise masks;
+    three dropouts leave each survivor one surviving neighbour, fewer than t = 2: failed.
+    SecAgg+'s Harary graph: k neighbours each, symmetric, drawn from (seed, round)."""
+    from raysim.privacy.secagg import SecureAggregation
+
+    sa = SecureAggregation("secagg", bits=32, threshold=0.5, neighbours=None, seed=0)
+    cohort = [3, 5, 8, 13, 21]
+    assert sa.account(1, cohort, set(cohort), m=100) is False
+    assert sa.metrics["secagg_bytes_up_per_client"] == 944 and sa.metrics["secagg_bytes_down_per_client"] == 628
+    assert sa.metrics["secagg_upload_vs_plain"] == 944 / 400 and sa.metrics["secagg_prg_expansions"] == 5
+    assert sa.account(1, cohort, {3, 5, 8, 13}, m=100) is False and sa.metrics["secagg_prg_expansions"] == 4 + 4
+    assert sa.account(1, cohort, {3, 5}, m=100) is True and sa.metrics["secagg_failed"] == 1
+    plus = SecureAggregation("secagg_plus", bits=16, threshold=0.5, neighbours=None, seed=0)
+    n = 200
+    graph = plus.neighbours(7, n)
+    k = plus.degree(n)
+    assert k == 8 and all(len(g) == k for g in graph)
+    assert all(i in graph[j] for i in range(n) for j in graph[i])  # symmetric
+    assert all((a == b).all() for a, b in zip(graph, plus.neighbours(7, n)))
+    assert any((a != b).any() for a, b in zip(graph, plus.neighbours(8, n)))
+    plus.account(7, list(range(n)), set(range(n)), m=10_000)
+    full = SecureAggregation("secagg", 16, 0.5, None, 0)
+    full.account(7, list(range(n)), set(range(n)), m=10_000)
+    assert plus.metrics["secagg_bytes_up_per_client"] < full.metrics["secagg_bytes_up_per_client"] / 2  # O(log n) vs O(n)
+
+
+def test_secure_aggregation_gives_fedavg_the_sum_only_and_the_same_model(ray_local, tmp_path):
+    """With secure aggregation the algorithm gets one summed result a round; FedAvg's model is
+    bit for bit the one without it (same dropouts), and each round records the protocol's
+    bytes and survivors; the clients table still has each client's row."""
+    import pyarrow.parquet as pq
+
+    common = ["dataset=digits", "model=mclr", "num_clients=12", "clients_per_round=8", "rounds=2", "system.dropout=0.25",
+              "seed=2", "privacy.secagg_threshold=0.2", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "privacy.secure_aggregation=secagg_plus", "run_name=sa"]) == 0
+    assert main([*common, "run_name=plain"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("sa", "plain"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = pq.read_table(tmp_path / "sa" / "metrics.parquet").to_pylist()
+    assert all(r["secagg_failed"] == 0 and r["secagg_survivors"] == 8 - r["dropped"] for r in rows)
+    assert sum(r["dropped"] for r in rows) > 0
+    assert all(r["secagg_bytes_up_per_client"] > 4 * 650 for r in rows)  # mclr on digits: 64 * 10 + 10 entries
+    clients = pq.read_table(tmp_path / "sa" / "clients.parquet").to_pylist()
+    assert sum(c["status"] == "ok" for c in clients) == sum(r["secagg_survivors"] for r in rows)

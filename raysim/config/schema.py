@@ -164,6 +164,10 @@ class PrivacyConfig:
     target_quantile: float = 0.5  # adaptive: the share of updates the clip should leave unscaled
     clip_lr: float = 0.2  # adaptive: the clip's geometric step, clip * exp(-clip_lr * (unscaled share - target_quantile))
     clip_count_stddev: Optional[float] = None  # adaptive: the noise on the count of unscaled updates (default K / 20)
+    secure_aggregation: str = "none"  # none | secagg (Bonawitz et al. 2017) | secagg_plus (Bell et al. 2020): the server sees only the sum (simulated)
+    secagg_bits: int = 32  # secure aggregation: bits per entry of the masked update (its field)
+    secagg_threshold: float = 0.5  # secure aggregation: the share of a client's neighbours whose shares rebuild its seeds
+    secagg_neighbours: Optional[int] = None  # secagg_plus: each client's neighbours k (default 2 * ceil(log2(n) / 2))
 
 
 @dataclass

@@ -244,6 +244,31 @@ def check_attack(cfg: DictConfig, need) -> None:
                           f"{', '.join(takes)}")
 
 
+def check_secure_aggregation(cfg: DictConfig, need) -> None:
+    """`privacy.secure_aggregation`: the server reads only the round's sum, so it needs an
+    algorithm whose server reads nothing but its clients' models, folded by the mean
+    (raysim/privacy/secagg.py)."""
+    pv = cfg.privacy
+    need(pv.secure_aggregation in ("none", "secagg", "secagg_plus"),
+         f"privacy.secure_aggregation must be none, secagg or secagg_plus, got {pv.secure_aggregation!r}")
+    if pv.secure_aggregation == "none":
+        return
+    need(8 <= pv.secagg_bits <= 64, f"privacy.secagg_bits must be in [8, 64], got {pv.secagg_bits}")
+    need(0 < pv.secagg_threshold <= 1, f"privacy.secagg_threshold must be in (0, 1], got {pv.secagg_threshold}")
+    need(pv.secagg_neighbours is None or pv.secagg_neighbours >= 1,
+         f"privacy.secagg_neighbours must be >= 1, got {pv.secagg_neighbours}")
+    algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    if not (algorithm.returns_model and "privacy" in algorithm.server_parts):
+        takes = [n for n in registry.ALGORITHMS.names()
+                 if registry.ALGORITHMS.get(n).returns_model and "privacy" in registry.ALGORITHMS.get(n).server_parts]
+        raise ConfigError(f"privacy.secure_aggregation: algorithm {cfg.algorithm!r} needs more than the sum of its "
+                          f"clients' models; algorithms that need only that: {', '.join(takes)}")
+    need(cfg.server.aggregator == "mean", f"privacy.secure_aggregation: the server sees only the sum of the models, "
+                                          f"so server.aggregator must be mean, got {cfg.server.aggregator}")
+    need(pv.mode != "central", "privacy.secure_aggregation with privacy.mode=central: central DP clips each update "
+                               "on the server, which sees only their sum; use privacy.mode=local (or none)")
+
+
 def check_privacy(cfg: DictConfig, need) -> None:
     """`privacy.*`: ranges, the libraries it needs, and (central) a run whose server sees
     nothing but the clipped, noised sum of the updates, with clients sampled the way the
@@ -251,6 +276,7 @@ def check_privacy(cfg: DictConfig, need) -> None:
     (raysim/privacy/)."""
     pv = cfg.privacy
     need(pv.mode in ("none", "central", "local"), f"privacy.mode must be none, central or local, got {pv.mode!r}")
+    check_secure_aggregation(cfg, need)
     if pv.mode == "none":
         return
     bound = "a client's update" if pv.mode == "central" else "a sample's gradient"

@@ -38,6 +38,7 @@ from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime import checkpoint, placement
 from raysim.runtime.availability import Availability, SystemEffects
 from raysim.runtime.dispatch import Dispatch
+from raysim.privacy.secagg import SecureAggregation
 from raysim.runtime.local_eval import clients_test_data
 from raysim.runtime.record import RunRecord
 from raysim.training import evaluate, tau_normalised
@@ -77,6 +78,7 @@ class FederatedServer:
             self.dispatch.release()
             raise
         self.sizes = part.sizes()
+        self.secagg = SecureAggregation.from_config(self.cfg)
         self.accountant = None
         if self.cfg.privacy.mode != "none":  # the noise multiplier before the clients and the server rule read it
             from raysim.privacy.accountant import for_run
@@ -167,12 +169,16 @@ class FederatedServer:
         """Every task is submitted now (so several cohorts can train at once); the iterator
         gives the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
+        cohort = cids
         epochs = {c: int(self.cfg.local.epochs) for c in cids}
         if method == "client_update" and self.system.active:  # training calls only
             cids, epochs, dropped = self.system.apply(rnd, cids, epochs)
             for c in dropped:
                 self.record.client(rnd, c, method, "dropped", reason="dropout")
-        return self.dispatch.run(rnd, cids, epochs, payload, method, on, bool(self.plugins[on].client_state))
+        results = self.dispatch.run(rnd, cids, epochs, payload, method, on, bool(self.plugins[on].client_state))
+        if self.secagg is not None and method == "client_update" and on == "algorithm":  # the server sees the sum
+            return self.secagg.round(rnd, cohort, results)
+        return results
 
     # ------------------------------------------------------------------ round loop
     def step(self, rnd: int) -> dict:
@@ -192,6 +198,8 @@ class FederatedServer:
             record.log(f"round {rnd}: {len(joining)} clients join: {joining}")
             self.selection.clients_joined(rnd, joining, self)
             self.algorithm.clients_joined(rnd, joining, self)
+        if self.secagg is not None:
+            self.secagg.metrics = {}
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
         models = self.algorithm.eval_models()
@@ -212,6 +220,11 @@ class FederatedServer:
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
         row.update(extra)
+        if self.secagg is not None:  # what the secure sum cost, and whether it failed
+            row.update(self.secagg.metrics)
+            if self.secagg.metrics.get("secagg_failed"):
+                record.log(f"round {rnd}: secure aggregation failed ({self.secagg.metrics['secagg_survivors']} clients "
+                           "returned, too few neighbours left to rebuild a seed): the model is unchanged")
         if self.accountant is not None:  # the (epsilon, delta) spent so far
             row["epsilon"] = self.accountant.after_round(rnd, record.rows)
         row.update(self.selection.round_metrics())
