@@ -331,3 +331,17 @@ def test_secure_aggregation_gives_fedavg_the_sum_only_and_the_same_model(ray_loc
     assert all(r["secagg_bytes_up_per_client"] > 4 * 650 for r in rows)  # mclr on digits: 64 * 10 + 10 entries
     clients = pq.read_table(tmp_path / "sa" / "clients.parquet").to_pylist()
     assert sum(c["status"] == "ok" for c in clients) == sum(r["secagg_survivors"] for r in rows)
+
+
+def test_a_sweep_point_with_target_epsilon_counts_as_the_same_config_when_rerun():
+    """The run records the noise multiplier target_epsilon chose; the point's config asks for
+    the target again (noise 0): the same point, not another config. Another target is."""
+    from raysim.config import record_diff, run_record
+
+    asked = ["privacy.mode=central", "privacy.target_epsilon=8"]
+    ran = run_record(load_config(overrides=[*asked, "privacy.noise_multiplier=0.83"]))
+    assert record_diff(ran, load_config(overrides=asked)) == []
+    assert record_diff(ran, load_config(overrides=["privacy.mode=central", "privacy.target_epsilon=2"])) == [
+        "privacy.target_epsilon"]
+    assert record_diff(ran, load_config(overrides=["privacy.mode=central", "privacy.noise_multiplier=0.5"])) == [
+        "privacy.noise_multiplier", "privacy.target_epsilon"]

@@ -40,8 +40,14 @@ def record_diff(record: dict, cfg: DictConfig) -> list[str]:
     now = run_record(cfg)
     missing = object()
     added = run_record(schema())  # the core keys and every plugin section's, at their defaults
+    derived = {k for k, source in DERIVED.items() if record.get(source) is not None and now.get(source) is not None}
     return [k for k in sorted(set(record) | set(now)) if record.get(k, missing) != now.get(k, missing)
-            and not (k not in record and k in added and now.get(k) == added[k])]
+            and not (k not in record and k in added and now.get(k) == added[k]) and k not in derived]
+
+
+# keys a run sets itself from another key when that one is set: the run's record holds the
+# value it chose, the config asking again does not (privacy.target_epsilon chooses the noise)
+DERIVED = {"privacy.noise_multiplier": "privacy.target_epsilon"}
 
 
 def describe_diff(diff: list[str], record: dict, cfg: DictConfig) -> str:
