@@ -140,6 +140,7 @@ def test_private_runs_are_bit_identical_across_packing_and_report_epsilon(ray_lo
     (["privacy.mode=local", "algorithm=fedprox"], "algorithms it covers: .*fedavg.*fedlc"),
     (["privacy.mode=local", "local.vectorize=true"], "set local.vectorize=false"),
     (["privacy.mode=local", "privacy.adaptive_clip=true"], "privacy.adaptive_clip is central's"),
+    (["privacy.mode=local", "selection=fedentopt"], "reads the clients' data .*outside DP-SGD"),
     (["privacy.secure_aggregation=secagg", "algorithm=ccvr"], "needs more than the sum of its clients' models"),
     (["privacy.secure_aggregation=secagg", "server.aggregator=median"], "server.aggregator must be mean"),
     (["privacy.secure_aggregation=secagg", "privacy.mode=central"], "central DP clips each update on the server"),

@@ -306,6 +306,8 @@ def check_privacy(cfg: DictConfig, need) -> None:
                                    "privacy.mode=local clips each sample's gradient at privacy.clip")
         need(not cfg.local.vectorize, "privacy.mode=local trains each client with Opacus, one at a time: "
                                       "set local.vectorize=false")
+        need(cfg.selection == "random", f"privacy.mode=local: selection={cfg.selection} reads the clients' data "
+                                        "(their label counts) outside DP-SGD; use selection=random")
         return
     if "privacy" not in algorithm.server_parts:
         takes = [n for n in registry.ALGORITHMS.names() if "privacy" in registry.ALGORITHMS.get(n).server_parts]
