@@ -101,7 +101,6 @@ class SecureAggregation:
                 mean.add_sum(r.update, r.num_samples)
                 clients.extend(r.clients)
             loss += r.metrics["loss"] * r.num_samples
-        n = len(cohort)
         alive = {int(c[0]) for c in clients}
         m = sum(int(v.numel()) for v in mean.acc.values()) if mean.acc is not None else 0
         failed = self.account(rnd, list(cohort), alive, m)
