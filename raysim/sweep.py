@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from raysim.errors import ConfigError, RunDiverged, WriteFailed
+from raysim.errors import ConfigError, NothingToDo, RunDiverged, WriteFailed
 
 
 def split_values(text: str) -> list[str]:
@@ -208,6 +208,9 @@ def point_result(point: dict, files: list, cwd: str) -> dict:
 
     try:
         return run_point(point, files, cwd)
+    except NothingToDo:  # the point finished since the sweep was planned: its summary is the result
+        summary = json.loads((Path(point["run_dir"]) / "summary.json").read_text())
+        return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
     except (ConfigError, RunDiverged, RunFailed, ServerDied, WriteFailed) as e:
         return {"raysim_error": f"{type(e).__name__}: {e}"}
 
@@ -230,18 +233,27 @@ def concurrency(points: list[dict]) -> int:
 
 def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print) -> Path:
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
-    from ray import tune
-
-    from raysim.runtime.ray_session import start_ray
+    from raysim.runtime.run_lock import RunLock, check_free
 
     sweep_dir = (output_dir / name).resolve()
+    if sweep_dir.is_dir():  # another sweep running into the same folder would run (and remove) the same points
+        check_free(sweep_dir)
     points = plan(files, fixed, grid, sweep_dir)
     todo = [p for p in points if p["state"] != "done"]
     say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
     if not todo:
         return sweep_dir
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(sweep_dir):
+        return _run(points, todo, files, fixed, sweep_dir, say)
+
+
+def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say) -> Path:
+    """Run the points not done, on Ray Tune (the sweep's folder is locked meanwhile)."""
+    from ray import tune
+
     from raysim.config import load_config
+    from raysim.runtime.ray_session import start_ray
 
     start_ray(load_config(files, fixed).ray, command=True)
     at_once = concurrency(todo)

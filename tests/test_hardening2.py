@@ -333,3 +333,22 @@ def test_the_python_api_takes_one_config_file_as_a_string_and_refuses_odd_overri
             raysim.simulate(config=bad, progress=False)
     with pytest.raises(ConfigError, match=r"'rounds' in the overrides \(key=value on the command line, keywords"):
         raysim.simulate(rounds="x", progress=False)  # an API caller is not told of a command line alone
+
+
+def test_a_second_sweep_into_a_folder_a_running_sweep_holds_is_refused(tmp_path, capsys):
+    """Two sweeps into one folder would run, and restart (removing), the same points: the
+    running one holds the folder's lock, and the second is one line naming its process."""
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from raysim.runtime.run_lock import RunLock; "
+                               f"RunLock({str(tmp_path / 's')!r}).__enter__(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert sweep([*SWEEP, "--output-dir", str(tmp_path), "--name", "s"]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use: process {holder.pid}" in err and len(err.strip().splitlines()) == 1, err
+        assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [".lock"]
+    finally:
+        holder.kill()
