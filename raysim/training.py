@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from raysim.contract import Client, ClientResult
+from raysim.seeds import seed_for  # noqa: F401  (raysim.training.seed_for: where algorithms import it from)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -334,11 +335,6 @@ def nbytes(obj) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(nbytes(v) for v in obj)
     return 0
-
-
-def seed_for(*keys: int) -> int:
-    """A 63-bit seed derived from integer keys, e.g. (seed, round, client id)."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, state: dict,

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from raysim.training import seed_for
+from raysim.seeds import seed_for
 
 NOISE_STREAM = 0x4C44505F  # "LDP_": the local noise's generator stream
 
