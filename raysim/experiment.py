@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from raysim.config import ConfigError, augmentation_name, clients_per_round
-from raysim.data.datasets import FederatedData, load_dataset, num_classes
+from raysim.data.datasets import FederatedData, load_dataset
 from raysim.data.partition import Partition, make_partition
 from raysim.models import build_model
 
@@ -26,7 +26,7 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
     if aug == "crop_flip" and (len(data.input_shape) != 3 or min(data.input_shape[1:]) <= 4):
         raise ConfigError(f"local.augment=crop_flip needs images larger than 4x4; dataset {cfg.dataset!r} has "
                           f"inputs {data.input_shape}")
-    n_classes = num_classes(cfg)
+    n_classes = data.num_classes
     if cfg.long_tail.imbalance > 1:  # shape the training set before partitioning it (data/long_tail.py)
         from raysim.data.long_tail import long_tail_index
 

@@ -57,6 +57,7 @@ SERVER_OPTIMIZERS = Registry("server optimizer")  # server.optimizer (raysim/agg
 PLUGIN_MODULES = [
     "raysim.data.datasets",
     "raysim.data.leaf",
+    "raysim.data.hf",
     "raysim.data.partition",
     "raysim.models",
     "raysim.aggregation",
