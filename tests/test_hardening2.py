@@ -352,3 +352,26 @@ def test_a_second_sweep_into_a_folder_a_running_sweep_holds_is_refused(tmp_path,
         assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [".lock"]
     finally:
         holder.kill()
+
+
+def test_yaml_11_words_stay_text_for_text_keys_and_convert_for_bool_keys():
+    """run_name=off named a run 'False' (YAML 1.1 reads off / no / yes / on as booleans)."""
+    from raysim.config import load_config
+
+    cfg = load_config(overrides=["run_name=off", "log.tensorboard=on", "download=no"])
+    assert cfg.run_name == "off" and cfg.log.tensorboard is True and cfg.download is False
+    with pytest.raises(ConfigError, match="'yes'"):  # an unknown partition by its name, not a bool
+        load_config(overrides=["partition=yes"])
+
+
+def test_a_tracker_whose_package_is_missing_is_one_line(monkeypatch):
+    import importlib.util
+
+    from raysim.config import load_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"log.wandb=true needs the wandb package: pip install 'raysim\[wandb\]'"):
+        load_config(overrides=["log.wandb=true"])
+    with pytest.raises(ConfigError, match="log.wandb_mode must be online, offline or disabled"):
+        load_config(overrides=["log.wandb_mode=sometimes"])

@@ -151,22 +151,70 @@ def test_sweep_values_split_on_top_level_commas_and_a_file_says_the_same(tmp_pat
     assert parse(["seed=0,1", "rounds=3"], None)[2:] == (["rounds=3"], {"seed": ["0", "1"]})
 
 
-def test_tensorboard_logging_writes_every_round_metric(ray_local, tmp_path):
+def wandb_history(run_file) -> list[dict]:
+    """The history rows of an offline W&B run file: LevelDB's log format (32 KiB blocks of
+    records with a 7-byte header: CRC, length, type full / first / middle / last) after W&B's
+    7-byte file header, each record a `wandb_internal_pb2.Record`."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, chunks, part = run_file.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            chunks.append(chunk)
+        elif kind in (2, 3):
+            part = (b"" if kind == 2 else part) + chunk
+        elif kind == 4:
+            chunks.append(part + chunk)
+    rows = []
+    for c in chunks:
+        record = pb.Record()
+        record.ParseFromString(c)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_trackers_hold_every_rounds_metrics(ray_local, tmp_path):
+    """One run with TensorBoard, W&B (offline) and MLflow (its local database): each holds
+    every round's accuracy as the metrics table has it, the config and the final summary;
+    off by default; a sweep's points are grouped under its name."""
+    import json
+
+    import mlflow
     import pyarrow.parquet as pq
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert main(["model=mclr", "rounds=3", "num_clients=6", "log.tensorboard=true", f"output_dir={tmp_path}",
-                 "run_name=tb", "--quiet"]) == 0
+    assert main(["model=mclr", "rounds=3", "num_clients=6", "log.tensorboard=true", "log.wandb=true",
+                 "log.wandb_mode=offline", "log.mlflow=true", f"output_dir={tmp_path}", "run_name=tb", "--quiet"]) == 0
+    rows = pq.read_table(tmp_path / "tb" / "metrics.parquet").to_pylist()
+    want = [(r["round"], r["accuracy"]) for r in rows]
     events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
     events.Reload()
-    acc = [(e.step, e.value) for e in events.Scalars("accuracy")]
-    rows = pq.read_table(tmp_path / "tb" / "metrics.parquet").to_pylist()
-    assert [s for s, _ in acc] == [1, 2, 3]
-    assert all(abs(v - r["accuracy"]) < 1e-6 for (_, v), r in zip(acc, rows))
+    assert [(e.step, pytest.approx(e.value, abs=1e-6)) for e in events.Scalars("accuracy")] == want
     assert "train_loss" in events.Tags()["scalars"]
-    assert not (tmp_path / "off").exists()
+    ids = json.loads((tmp_path / "tb" / "trackers.json").read_text())
+    run_file = next((tmp_path / "tb" / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    history = wandb_history(run_file)
+    assert [(h["_step"], h["accuracy"]) for h in history] == want
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "accuracy")] == want
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["model"] == "mclr" and run.info.status == "FINISHED"
+    assert run.data.metrics["summary.final_accuracy"] == rows[-1]["accuracy"]
     assert main(["model=mclr", "rounds=1", "num_clients=6", f"output_dir={tmp_path}", "run_name=off", "--quiet"]) == 0
-    assert not (tmp_path / "off" / "tensorboard").exists()  # off by default
+    assert not {"tensorboard", "wandb", "trackers.json"} & {p.name for p in (tmp_path / "off").iterdir()}
+    from raysim.sweep import parse, plan
+
+    _, files, fixed, grid = parse(["seed=0,1", "rounds=1"], None)
+    assert all("log.group=grp" in p["overrides"] for p in plan(files, fixed, grid, tmp_path / "grp"))
 
 
 def test_every_shipped_sweep_file_plans_points_that_pass_the_checks(tmp_path):

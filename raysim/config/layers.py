@@ -41,6 +41,8 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
             if "expands to" in str(e) or "refers to a node" in str(e):
                 raise
             value = raw  # not YAML: the text itself
+        if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+            value = raw  # YAML 1.1's yes / no / on / off: a text key keeps its text (run_name=off), a bool key converts it
         if key == "partition" and isinstance(value, str):
             key = "partition.name"
         node = out

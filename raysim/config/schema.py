@@ -53,7 +53,16 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = False  # also log the per-round metrics to <run dir>/tensorboard (the `tensorboard` extra)
+    """Trackers beside the run directory (raysim/results/trackers.py): the config, each round's metrics, the summary."""
+
+    tensorboard: bool = False  # <run dir>/tensorboard (the `tensorboard` extra)
+    wandb: bool = False  # Weights & Biases (the `wandb` extra)
+    wandb_project: str = "raysim"
+    wandb_mode: str = "online"  # online | offline (files in <run dir>/wandb; `wandb sync` later) | disabled
+    mlflow: bool = False  # MLflow (the `mlflow` extra)
+    mlflow_uri: Optional[str] = None  # tracking URI (default: a local database, sqlite:///<output_dir>/mlflow.db)
+    mlflow_experiment: str = "raysim"  # the experiment, when no log.group
+    group: Optional[str] = None  # groups the trackers' runs (W&B group, MLflow experiment); a sweep sets its name
 
 
 @dataclass

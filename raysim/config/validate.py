@@ -57,11 +57,12 @@ def validate(cfg: DictConfig) -> None:
 
     check_model_options(cfg.model, OmegaConf.to_container(cfg.model_options))
     need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
-    if cfg.log.tensorboard:
-        import importlib.util
+    from raysim.results.trackers import needs
 
-        need(importlib.util.find_spec("tensorboard") is not None,
-             "log.tensorboard=true needs the tensorboard package: pip install 'raysim[tensorboard]' (or tensorboard)")
+    missing = needs(cfg)
+    need(missing is None, missing or "")
+    need(cfg.log.wandb_mode in ("online", "offline", "disabled"),
+         f"log.wandb_mode must be online, offline or disabled, got {cfg.log.wandb_mode!r}")
     need(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
     if cfg.clients_per_round is not None:
         need(1 <= cfg.clients_per_round <= cfg.num_clients,

@@ -50,7 +50,7 @@ class RunWriter:
     """Writes one run directory. `resume_round`: reopen an existing one, keeping its
     metrics up to that round (the checkpoint's) and dropping any later ones."""
 
-    def __init__(self, run_dir: Path, config_yaml: str, resume_round: int | None = None, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, config_yaml: str, resume_round: int | None = None, trackers: dict | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=resume_round is not None)
         (self.dir / "config.yaml").write_text(config_yaml)
@@ -66,11 +66,11 @@ class RunWriter:
                 kept = pq.read_table(self.dir / "clients.parquet")
                 self.client_tables = [kept.filter(pc.field("round") <= resume_round)]
             self.log(f"resumed after round {resume_round}")
-        self.tb = None
-        if tensorboard:  # `tensorboard --logdir <output_dir>` shows every run's curves live
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers = None  # `trackers`: the run's config, whose log.* turn trackers on (results/trackers.py)
+        if trackers is not None and any(trackers["log"].get(k) for k in ("tensorboard", "wandb", "mlflow")):
+            from raysim.results.trackers import Trackers
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self.trackers = Trackers(self.dir, trackers, resumed=resume_round is not None)
 
     def log(self, line: str) -> None:
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -85,11 +85,8 @@ class RunWriter:
                 parts.append(f"{key}={row[key]:.4f}")
         parts.append(f"clients={row['clients']} dropped={row['dropped']} seconds={row['seconds']:.2f}")
         self.log(" ".join(parts))
-        if self.tb is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
-                    self.tb.add_scalar(key, value, row["round"])
-            self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.round(row)
 
     def flush_tables(self) -> None:
         if self.client_tables:  # one table again: rounds may differ in columns (null where absent)
@@ -109,5 +106,5 @@ class RunWriter:
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log("summary " + json.dumps(summary))
         self.log_file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.finish(summary)

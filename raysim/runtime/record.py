@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from omegaconf import OmegaConf
+
 from raysim.contract import ClientResult
 from raysim.config import to_yaml
 from raysim.results.writer import RunWriter, summarize
@@ -26,7 +28,7 @@ class RunRecord:
         saved = cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
         self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=resume["round"] if resume else None,
-                                tensorboard=bool(cfg.log.tensorboard))
+                                trackers=OmegaConf.to_container(saved, resolve=True))
         self.dir = self.writer.dir
         self.t_start = t_start
         self.sizes, self.stragglers, self.attacking = sizes, stragglers, attacking

@@ -1,0 +1,141 @@
+"""Experiment trackers beside the run directory: the tools users already open. Each gets the
+run's config once, every round's numeric metrics (step = the round) and the final summary;
+one tracker run per raysim run, a sweep's points grouped under the sweep's name
+(`log.group`, which `raysim.sweep` sets).
+
+- `log.tensorboard`: `<run dir>/tensorboard` (torch's SummaryWriter; the `tensorboard` extra);
+- `log.wandb`: Weights & Biases (`wandb` extra): project `log.wandb_project`, the run named as
+  its folder, grouped by `log.group`, `log.wandb_mode` online / offline (offline: files under
+  `<run dir>/wandb`, `wandb sync` uploads them later) / disabled;
+- `log.mlflow`: MLflow (`mlflow` extra): tracking URI `log.mlflow_uri` (default a local
+  database, `sqlite:///<output_dir>/mlflow.db`, MLflow's own default since its file store
+  went into maintenance; `mlflow ui --backend-store-uri` it), experiment `log.group` or
+  `log.mlflow_experiment`, the config as parameters.
+
+A resumed run continues its tracker run where the tracker can (W&B: the same run id, kept in
+`<run dir>/trackers.json`; MLflow: the same run id): the rounds after the checkpoint follow.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+def numeric(row: dict) -> dict:
+    """The row's numbers (not bools, not None, not NaN), for a tracker's scalars."""
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "round" and v == v}
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, cfg: dict, ids: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def round(self, row: dict) -> None:
+        for key, value in numeric(row).items():
+            self.writer.add_scalar(key, value, row["round"])
+        self.writer.flush()
+
+    def finish(self, summary: dict) -> None:
+        self.writer.close()
+
+
+class WandB:
+    def __init__(self, run_dir: Path, cfg: dict, ids: dict):
+        import wandb
+
+        log = cfg["log"]
+        self.run = wandb.init(project=log["wandb_project"], name=run_dir.name, group=log.get("group"),
+                              config=cfg, dir=str(run_dir), mode=log["wandb_mode"], id=ids.get("wandb"),
+                              resume="allow", reinit="create_new")
+        ids["wandb"] = self.run.id
+
+    def round(self, row: dict) -> None:
+        self.run.log(numeric(row), step=int(row["round"]))
+
+    def finish(self, summary: dict) -> None:
+        for key, value in numeric(summary).items():
+            self.run.summary[key] = value
+        self.run.finish()
+
+
+class MLflow:
+    def __init__(self, run_dir: Path, cfg: dict, ids: dict):
+        import mlflow
+
+        log = cfg["log"]
+        uri = log.get("mlflow_uri") or f"sqlite:///{Path(cfg['output_dir']).expanduser().resolve() / 'mlflow.db'}"
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        name = log.get("group") or log["mlflow_experiment"]
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found is not None else self.client.create_experiment(name)
+        if ids.get("mlflow"):
+            self.run_id = ids["mlflow"]
+        else:
+            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            params = [mlflow.entities.Param(k, str(v)[:500]) for k, v in flat(cfg).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+        ids["mlflow"] = self.run_id
+
+    def round(self, row: dict) -> None:
+        import time
+
+        import mlflow
+
+        now = int(time.time() * 1000)
+        metrics = [mlflow.entities.Metric(k, v, now, int(row["round"])) for k, v in numeric(row).items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def finish(self, summary: dict) -> None:
+        for key, value in numeric(summary).items():
+            self.client.log_metric(self.run_id, f"summary.{key}", value)
+        self.client.set_terminated(self.run_id)
+
+
+KINDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+
+
+class Trackers:
+    """The trackers `log.*` turns on, for one run directory."""
+
+    def __init__(self, run_dir: Path, cfg: dict, resumed: bool = False):
+        self.path = Path(run_dir) / "trackers.json"
+        ids = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
+        self.active = [cls(Path(run_dir), cfg, ids) for name, cls in KINDS.items() if cfg["log"].get(name)]
+        if self.active:
+            self.path.write_text(json.dumps(ids))
+
+    def round(self, row: dict) -> None:
+        for t in self.active:
+            t.round(row)
+
+    def finish(self, summary: dict) -> None:
+        for t in self.active:
+            t.finish(summary)
+        self.active = []
+
+
+def needs(cfg) -> Optional[str]:
+    """The first tracker `log.*` asks for whose package is missing, as the message to say."""
+    import importlib.util
+
+    for key, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+                               ("mlflow", "mlflow", "mlflow")):
+        if cfg.log.get(key) and importlib.util.find_spec(module) is None:
+            return f"log.{key}=true needs the {module} package: pip install 'raysim[{extra}]' (or {module})"
+    return None
