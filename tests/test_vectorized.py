@@ -81,7 +81,7 @@ def test_vectorised_runs_are_bit_identical_for_any_number_of_actors_and_close_to
     if algorithm == "fedgroup":
         vec.append("fedgroup.groups=2")
     one, rows1 = run(tmp_path, "v1", *vec, "resources.num_actors=1")
-    three, rows3 = run(tmp_path, "v3", *vec, "resources.num_actors=3", "ray.reuse_workers=false")
+    three, rows3 = run(tmp_path, "v3", *vec, "resources.num_actors=3")
     seq, rows_seq = run(tmp_path, "s", *[v for v in vec if not v.startswith("local.vectorize")], "resources.num_actors=2")
     def flat(saved, prefix=""):  # every tensor in model.pt (FedGroup keeps a model per group)
         out = {}
