@@ -92,6 +92,9 @@ def test_a_hub_id_offline_and_a_missing_extra_are_one_line(tmp_path, monkeypatch
     text = str(e.value)
     assert "'nobody/no-such-dataset' is not a local folder" in text and str(tmp_path / "hf") in text
     assert "download=false" in text and "\n" not in text
+    with pytest.raises(ConfigError) as e:  # download=true: the hub is asked only if it answers at once
+        load_dataset(load_config(overrides=["dataset=hf", "hf.path=nobody/no-such-dataset", f"data_dir={tmp_path}"]))
+    assert "'nobody/no-such-dataset' is not a local folder" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="hf.path=.*: no such file or folder"):
         load_dataset(load_config(overrides=["dataset=hf", f"hf.path={tmp_path / 'nope'}"]))
     with pytest.raises(ConfigError, match="dataset=hf needs hf.path"):

@@ -78,19 +78,36 @@ class HFOptions(Options):
                               "(the words, padding and unknown)")
 
 
-def _offline(cfg: DictConfig) -> None:
-    """download=false: never ask the hub (the cache only)."""
-    if not cfg.download:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
-        try:
-            import datasets.config
-            import huggingface_hub.constants
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers on 443 within `timeout` (the library would otherwise
+    retry for half a minute, printing as it goes)."""
+    import socket
+    from urllib.parse import urlparse
 
-            datasets.config.HF_HUB_OFFLINE = True
-            huggingface_hub.constants.HF_HUB_OFFLINE = True
-        except (ImportError, AttributeError):
-            pass
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _offline(cfg: DictConfig, hub: bool) -> bool:
+    """Never ask the hub (the cache only) with download=false, or when a hub id is asked for
+    and the hub does not answer; returns whether the hub was left out."""
+    if cfg.download and (not hub or hub_reachable()):
+        return False
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        import datasets.config
+        import huggingface_hub.constants
+
+        datasets.config.HF_HUB_OFFLINE = True
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
+    except (ImportError, AttributeError):
+        pass
+    return True
 
 
 def load_splits(cfg: DictConfig):
@@ -100,7 +117,8 @@ def load_splits(cfg: DictConfig):
     o = cfg.hf
     cache = str(Path(o.cache_dir or Path(cfg.data_dir) / "hf").expanduser())
     local = Path(o.path).expanduser()
-    _offline(cfg)
+    hub = not local.exists() and not o.path.startswith((".", "/", "~"))
+    unreachable = _offline(cfg, hub) and cfg.download
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     try:
@@ -124,7 +142,8 @@ def load_splits(cfg: DictConfig):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if not local.exists():
             how = ("download=false: the hub is not asked" if not cfg.download else
-                   "the Hugging Face hub could not be reached or has no such dataset")
+                   "the Hugging Face hub does not answer (offline?)" if unreachable else
+                   "the Hugging Face hub has no such dataset")
             raise ConfigError(f"dataset 'hf': {o.path!r} is not a local folder, it is not in the cache {cache}, and "
                               f"{how} ({type(e).__name__}: {first}); download it once online (download=true), or "
                               "give hf.path a local folder of parquet / csv / json / arrow files") from None
