@@ -82,6 +82,31 @@ def test_text_from_csv_trains_an_lstm_on_a_vocabulary(ray_local, tmp_path):
     assert json.loads((tmp_path / "runs" / "t" / "summary.json").read_text())["rounds"] == 2
 
 
+def test_text_through_a_named_tokenizer(tmp_path):
+    """hf.tokenizer: a Hugging Face tokenizer by name or folder (here a word-level one the
+    test saves), its ids cut and padded to hf.max_words; an LSTM table too small is refused."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from raysim.data.datasets import load_dataset
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "great": 2, "awful": 3, "the": 4, "film": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "train.csv").write_text("text,label\ngreat the film,1\nawful film,0\nthe great film,1\n"
+                                                "awful awful,0\ngreat,1\n")
+    common = ["dataset=hf", f"hf.path={tmp_path / 'txt'}", "hf.text_column=text", f"hf.tokenizer={tmp_path / 'tok'}",
+              "hf.max_words=3", "hf.test_fraction=0.4", f"data_dir={tmp_path}"]
+    data = load_dataset(load_config(overrides=common))
+    rows = {tuple(r) for r in np.concatenate([data.x_train, data.x_test]).tolist()}
+    assert rows == {(2, 4, 5), (3, 5, 0), (4, 2, 5), (3, 3, 0), (2, 0, 0)}
+    with pytest.raises(ConfigError, match="has 6 tokens: model_options.vocab_size=4"):
+        load_dataset(load_config(overrides=[*common, "model=lstm", "model_options.vocab_size=4"]))
+
+
 def test_a_hub_id_offline_and_a_missing_extra_are_one_line(tmp_path, monkeypatch):
     from raysim.data.datasets import load_dataset
 

@@ -205,6 +205,13 @@ def _token_ids(cfg: DictConfig, train_text: list, test_text: list) -> tuple[np.n
             raise ConfigError(f"hf.tokenizer={o.tokenizer}: cannot load it ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0][:200]})") from None
 
+        vocab = cfg.model_options.get("vocab_size", 10002)
+        if cfg.model == "lstm" and vocab < len(tok):
+            raise ConfigError(f"hf.tokenizer={o.tokenizer} has {len(tok)} tokens: model_options.vocab_size={vocab} "
+                              f"must be at least that")
+        if tok.pad_token is None:
+            raise ConfigError(f"hf.tokenizer={o.tokenizer} has no padding token; raysim pads to hf.max_words")
+
         def ids(texts):
             return np.asarray(tok([str(t) for t in texts], truncation=True, max_length=L, padding="max_length")
                               ["input_ids"], dtype=np.int64)
