@@ -185,17 +185,20 @@ def wandb_history(run_file) -> list[dict]:
 
 
 def test_trackers_hold_every_rounds_metrics(ray_local, tmp_path):
-    """One run with TensorBoard, W&B (offline) and MLflow (its local database): each holds
-    every round's accuracy as the metrics table has it, the config and the final summary;
-    off by default; a sweep's points are grouped under its name."""
+    """One run with TensorBoard, W&B (offline) and MLflow (its local database), stopped after
+    round 2 and resumed: each holds every round's accuracy once, as the metrics table has it,
+    in one tracker run, with the config and the final summary; off by default; a sweep's
+    points are grouped under its name."""
     import json
 
     import mlflow
     import pyarrow.parquet as pq
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert main(["model=mclr", "rounds=3", "num_clients=6", "log.tensorboard=true", "log.wandb=true",
-                 "log.wandb_mode=offline", "log.mlflow=true", f"output_dir={tmp_path}", "run_name=tb", "--quiet"]) == 0
+    assert main(["model=mclr", "rounds=2", "num_clients=6", "log.tensorboard=true", "log.wandb=true",
+                 "log.wandb_mode=offline", "log.mlflow=true", "checkpoint_every=1", f"output_dir={tmp_path}",
+                 "run_name=tb", "--quiet"]) == 0
+    assert main([f"resume={tmp_path / 'tb'}", "rounds=3", "--quiet"]) == 0  # the same tracker runs go on
     rows = pq.read_table(tmp_path / "tb" / "metrics.parquet").to_pylist()
     want = [(r["round"], r["accuracy"]) for r in rows]
     events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
@@ -203,8 +206,9 @@ def test_trackers_hold_every_rounds_metrics(ray_local, tmp_path):
     assert [(e.step, pytest.approx(e.value, abs=1e-6)) for e in events.Scalars("accuracy")] == want
     assert "train_loss" in events.Tags()["scalars"]
     ids = json.loads((tmp_path / "tb" / "trackers.json").read_text())
-    run_file = next((tmp_path / "tb" / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
-    history = wandb_history(run_file)
+    run_files = sorted((tmp_path / "tb" / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert len(run_files) == 2  # W&B keeps a resumed offline run's part in a folder of its own, with the run's id
+    history = [h for f in run_files for h in wandb_history(f)]
     assert [(h["_step"], h["accuracy"]) for h in history] == want
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "accuracy")] == want
