@@ -1,4 +1,6 @@
 """The researcher workflow (issue 15): partition pictures, plots, tables, sweeps."""
+import json
+
 import numpy as np
 import pytest
 
@@ -180,6 +182,29 @@ def wandb_history(run_file) -> list[dict]:
         if record.WhichOneof("record_type") == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
     return rows
+
+
+def test_an_mlflow_file_store_holds_every_round(tmp_path):
+    """log.mlflow_uri=file:...: MLflow's file store (in maintenance in MLflow 3, so raysim opts
+    in for a user who names one) gets the config, each round and the summary."""
+    import mlflow
+
+    from raysim.results.trackers import Trackers
+
+    uri = (tmp_path / "mlruns").as_uri()
+    cfg = {"output_dir": str(tmp_path), "model": "mclr",
+           "log": {"mlflow": True, "mlflow_uri": uri, "mlflow_experiment": "raysim", "group": None}}
+    (tmp_path / "r").mkdir()
+    trackers = Trackers(tmp_path / "r", cfg)
+    for rnd, acc in ((1, 0.5), (2, 0.75)):
+        trackers.round({"round": rnd, "accuracy": acc, "selected": [1, 2], "flag": True})
+    trackers.finish({"final_accuracy": 0.75})
+    run_id = json.loads((tmp_path / "r" / "trackers.json").read_text())["mlflow"]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "accuracy")] == [(1, 0.5), (2, 0.75)]
+    run = client.get_run(run_id)
+    assert run.data.params["model"] == "mclr" and run.data.metrics["summary.final_accuracy"] == 0.75
+    assert "selected" not in run.data.metrics and "flag" not in run.data.metrics  # numbers only
 
 
 def test_trackers_hold_every_rounds_metrics(ray_local, tmp_path):

@@ -8,8 +8,8 @@ one tracker run per raysim run, a sweep's points grouped under the sweep's name
   its folder, grouped by `log.group`, `log.wandb_mode` online / offline (offline: files under
   `<run dir>/wandb`, `wandb sync` uploads them later) / disabled;
 - `log.mlflow`: MLflow (`mlflow` extra): tracking URI `log.mlflow_uri` (default a local
-  database, `sqlite:///<output_dir>/mlflow.db`, MLflow's own default since its file store
-  went into maintenance; `mlflow ui --backend-store-uri` it), experiment `log.group` or
+  database, `sqlite:///<output_dir>/mlflow.db`, MLflow's own advice since its file store
+  went into maintenance; a `file:` URI still gives a file store), experiment `log.group` or
   `log.mlflow_experiment`, the config as parameters.
 
 A resumed run continues its tracker run where the tracker can (W&B: the same run id, kept in
@@ -18,6 +18,7 @@ A resumed run continues its tracker run where the tracker can (W&B: the same run
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -78,6 +79,8 @@ class MLflow:
 
         log = cfg["log"]
         uri = log.get("mlflow_uri") or f"sqlite:///{Path(cfg['output_dir']).expanduser().resolve() / 'mlflow.db'}"
+        if uri.startswith("file:") or "://" not in uri:  # a file store, asked for by name: MLflow 3 wants the opt-in
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         name = log.get("group") or log["mlflow_experiment"]
         found = self.client.get_experiment_by_name(name)
