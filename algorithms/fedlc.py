@@ -25,11 +25,13 @@ from raysim.algorithms.fedavg import FedAvg
 @dataclass
 class FedLCOptions(Options):
     tau: float = option(1.0, at_least=0)
+    absent_count: float = option(1e-8, above=0)  # the n_c an absent class takes (the authors' 1e-8: its logit leaves the softmax)
 
 
-def calibrated_logits(logits: torch.Tensor, counts: torch.Tensor, tau: float) -> torch.Tensor:
-    """z_c - tau * n_c^(-1/4), with n_c = 0 read as 1e-8."""
-    n = counts.to(logits.dtype).clamp(min=1e-8)
+def calibrated_logits(logits: torch.Tensor, counts: torch.Tensor, tau: float, absent: float = 1e-8) -> torch.Tensor:
+    """z_c - tau * n_c^(-1/4), with n_c = 0 read as `absent` (the authors' 1e-8)."""
+    n = counts.to(logits.dtype)
+    n = torch.where(n > 0, n, torch.full_like(n, absent))
     return logits - tau * n.pow(-0.25)
 
 
@@ -40,9 +42,9 @@ class FedLC(FedAvg):
 
     def local_loss(self, client: Client, payload: dict):
         counts = torch.from_numpy(client.label_counts().astype(np.float64)).to(client.device)
-        tau = float(self.cfg.fedlc.tau)
+        tau, absent = float(self.cfg.fedlc.tau), float(self.cfg.fedlc.absent_count)
 
         def loss(model, x, y):
-            return F.cross_entropy(calibrated_logits(model(x), counts, tau), y)
+            return F.cross_entropy(calibrated_logits(model(x), counts, tau, absent), y)
 
         return loss

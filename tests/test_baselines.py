@@ -299,6 +299,9 @@ def test_fedlc_calibrates_logits_by_class_counts():
     expected = torch.tensor([-2 * 16 ** -0.25, -2.0, -2 * 1e-8 ** -0.25])  # -1, -2, -200
     assert torch.allclose(out, expected.expand(2, 3))
     assert torch.equal(calibrated_logits(logits + 1, counts, tau=0.0), logits + 1)
+    # fedlc.absent_count=1: an absent class is shifted as a class seen once (-2), not out of the softmax
+    assert torch.allclose(calibrated_logits(logits, counts, tau=2.0, absent=1.0),
+                          torch.tensor([-1.0, -2.0, -2.0]).expand(2, 3))
 
 
 def test_fedrs_and_fedlc_train_with_their_losses():
