@@ -232,8 +232,8 @@ def _token_ids(cfg: DictConfig, train_text: list, test_text: list) -> tuple[np.n
     return ids(train_text), ids(test_text)
 
 
-def _owners(train, test, column: str, n_clients: int):
-    """Each sample's owner as 0..U-1 (sorted values) and the samples of the first `n_clients`."""
+def _owners(train, test, column: str):
+    """Each sample's owner as 0..U-1 (sorted values; -1 for a test owner not in train)."""
     values = sorted(set(train[column]), key=lambda v: (str(type(v)), v))
     index = {v: i for i, v in enumerate(values)}
     users_train = np.asarray([index[v] for v in train[column]], np.int64)
@@ -260,7 +260,7 @@ class HuggingFace:
         users_train = users_test = None
         if o.partition_column:
             users_train, users_test = _owners(train, test, _column(train, o.partition_column, "the owners",
-                                                                   "partition_column"), int(cfg.num_clients))
+                                                                   "partition_column"))
         norm = pixel_max = None
         if o.text_column:
             text = _column(train, o.text_column, "the text", "text_column")
