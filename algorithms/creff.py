@@ -21,34 +21,31 @@ The features start as Gaussian noise (from the seed) and are kept from round to 
 checkpoints, as v^ is. Per round: `match_loss_start` / `match_loss` (the matching loss, per
 matched class, before the first and after the last feature step).
 
-Choices: the re-trained classifier starts from the aggregated classifier v
-(`retrain_start: aggregated`); the reference starts a fresh random one each round
-(`retrain_start: fresh`) and trains it 300 epochs at lr 0.01 (set `retrain_steps`,
-`retrain_lr`). D sums 1 - cos over the C + 1 rows, as the reference does
-(`match_reduction: sum`); ALGORITHMS.md's mean (`match_reduction: mean`) is the same with a
-feature_lr C + 1 times smaller, and at the reference's feature_lr 0.1 it barely moves the
-features: measured on digits, IF=10, 8 rounds, the matching loss per class fell 0.90 -> 0.73
-and (u, v^) reached 0.25 accuracy with `mean`, against 9.9 -> 0.96 and 0.68 with `sum`
-(the FedAvg model w: 0.28). Clients use all
-their samples of a class for g_c (the reference: 10 draws of 32 augmented samples).
-Against the reference, hyper-parameter by hyper-parameter: m = 100 features per class, I = 100
-matching steps at lr 0.1 (plain SGD, features kept across rounds), D summed over rows, the
-clients' gradients taken with the received u and v^ and averaged over the clients holding
-the class, re-training batch 32, plain CE on both sides: the same. Different: the reference
-re-trains a fresh classifier 300 epochs (9,375 steps at m = 100, C = 10) at lr 0.01 each round
-(`retrain_start=fresh retrain_steps=9375 retrain_lr=0.01` reproduces it), its clients
-average 10 draws of 32 augmented samples, and it runs 200 rounds.
-Measured against CCVR (issue 26; MNIST-LT IF=100, configs/sweeps/creff_mnist_lt.yaml, seed 0,
-last 10 rounds; benchmarks/results-creff-vs-ccvr.txt): CReFF 0.851, CCVR 0.905. Not the
-re-training (the reference's: the same curve over the 10 rounds run, 0.63 vs 0.66 at round 10)
-nor the matching's speed (10x feature_lr: 0.830; 10x steps: faster early, 0.71 vs 0.66 at
-round 10, the same plateau): at the run's last state, a classifier re-trained on the
-federated features scores 0.778 (0.815 once matched 2,000 steps more, matching loss 0.18 per
-class), on CCVR's Gaussian draws 0.859, on 100 real features per class 0.866. On this data a
-class's Gaussian is as good as its real features, and gradient-matched features are worse
-(few-shot class 8: 0.13-0.17 against 0.58-0.61): the paper's CReFF >= CCVR (70.6 vs 69.5 on
-CIFAR-10-LT with ResNet-8) does not carry over. CCVR here reads every client's statistics
-each round; from the round's 8 clients alone it scores 0.844 at that state, still above.
+Against the reference (shangxinyi/CReFF-FL), hyper-parameter by hyper-parameter, the
+defaults are its own: m = 100 features per class, I = 100 matching steps at lr 0.1 (plain SGD,
+features kept across rounds), D summed over the C + 1 rows (`match_reduction: sum`), the
+clients' gradients taken with the received u and v^ (u in eval mode) and averaged over the
+clients holding the class; each round a new random classifier (`retrain_start: fresh`,
+main.py:101) trained `retrain_epochs` = 300 epochs of the federated features (`crt_epoch`),
+minibatches of 32 from a new shuffle each epoch, the last partial batch kept (9,600 steps at
+m = 100, C = 10: 1,000 features, 32 batches an epoch), lr 0.01 (`lr_net`); a client's g_c the
+mean over `gradient_draws` = 10 draws of up to `gradient_batch` = 32 of its class-c samples,
+each draw augmented by one DSA op with parameters shared by the batch (`augment`, the
+reference's 'color_crop_cutout_flip_scale_rotate'; raysim/data/dsa.py), drawn from a
+generator seeded by (seed, round, client) where the reference seeds from the wall clock.
+Options, each named for what it changes: `retrain_start: aggregated` re-trains from a copy of
+the aggregated classifier v (ALGORITHMS.md's "choose and document"); `gradient: exact` takes
+g_c over every sample of the class, no augmentation (raysim's earlier default: the exact
+mean gradient, which the draws estimate); `match_reduction: mean` is ALGORITHMS.md's D (the
+same as `sum` with a feature_lr C + 1 times smaller: at the reference's feature_lr 0.1 it
+barely moves the features; measured on digits, IF=10, 8 rounds: matching loss per class
+0.90 -> 0.73 and 0.25 accuracy with `mean`, against 9.9 -> 0.96 and 0.68 with `sum`).
+The reference runs 200 rounds of 10 local epochs.
+Measured against CCVR before these defaults (issue 26; MNIST-LT IF=100, 50 rounds, per-round
+CCVR from every client, CReFF with 300 re-training steps at lr 0.1 from the aggregated head,
+exact gradients; benchmarks/results-creff-vs-ccvr.txt): CReFF 0.851, CCVR 0.905; gradient-
+matched features were worse than Gaussian or real ones on the few-shot classes. The paper's
+comparison (post-hoc CCVR, the reference's CReFF) is benchmarks/results-creff-vs-ccvr-paper.txt.
 Reference: shangxinyi/CReFF-FL, main.py (Global.update_feature_syn, feature_re_train,
 Local.compute_gradient) and Dataset/Gradient_matching_loss.py.
 """
@@ -63,6 +60,8 @@ from torch import nn
 
 from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.fedavg import FedAvg
+from raysim.data.dsa import REFERENCE_STRATEGY, siamese_augment, strategy_ops
+from raysim.errors import ConfigError
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import cpu_state, local_sgd, seed_for, train_linear
@@ -73,11 +72,21 @@ class CReFFOptions(Options):
     features_per_class: int = option(100, at_least=1)  # m
     match_steps: int = option(100, at_least=0)  # I
     feature_lr: float = option(0.1, above=0)
-    retrain_steps: int = option(300, at_least=0)  # J
-    retrain_lr: float = option(0.1, above=0)
+    retrain_epochs: int = option(300, at_least=0)  # J = epochs x ceil(C m / retrain_batch) steps (the reference's crt_epoch)
+    retrain_lr: float = option(0.01, above=0)
     retrain_batch: int = option(32, at_least=1)
-    retrain_start: str = option("aggregated", choices=("aggregated", "fresh"))  # aggregated | fresh (the reference)
+    retrain_start: str = option("fresh", choices=("fresh", "aggregated"))  # fresh: a new random classifier (the reference) | aggregated: from v
     match_reduction: str = option("sum", choices=("sum", "mean"))  # sum (the reference) | mean (ALGORITHMS.md: moves the features C+1 times slower)
+    gradient: str = option("sampled", choices=("sampled", "exact"))  # sampled: draws of augmented batches (the reference) | exact: every sample
+    gradient_draws: int = option(10, at_least=1)  # sampled: draws averaged per class
+    gradient_batch: int = option(32, at_least=1)  # sampled: samples of the class per draw (at most)
+    augment: str = option(REFERENCE_STRATEGY)  # sampled: DSA ops joined by '_' (raysim/data/dsa.py), or none
+
+    def check(self, cfg, section: str) -> None:
+        try:
+            strategy_ops(self.augment)
+        except ValueError as e:
+            raise ConfigError(f"{section}.augment: {e}, got {self.augment!r}") from None
 
 
 class Retrained(nn.Module):
@@ -104,6 +113,35 @@ def class_gradients(model: nn.Module, head: nn.Linear, x: torch.Tensor, y: torch
         gw, gb = torch.autograd.grad(loss, [head.weight, head.bias])
         out[int(c)] = (gw.detach().cpu(), gb.detach().cpu())
     return out
+
+
+def sampled_class_gradients(model: nn.Module, head: nn.Linear, x: torch.Tensor, y: torch.Tensor, draws: int,
+                            batch: int, augment: str, generator: torch.Generator) -> dict:
+    """{c: (dW, db)}: the reference's estimate of `class_gradients`: for each of `draws`
+    draws and each class c in y (classes ascending within a draw), up to `batch` samples of
+    c without replacement, augmented by `siamese_augment`; the gradient of the mean
+    cross-entropy of head(model.encoder(.)) over them, averaged over the draws."""
+    model.eval()
+    classes = torch.unique(y).tolist()
+    where = {c: torch.nonzero(y == c).flatten() for c in classes}
+    out = {c: [torch.zeros_like(head.weight), torch.zeros_like(head.bias)] for c in classes}
+    for _ in range(draws):
+        for c in classes:
+            idx = where[c][torch.randperm(len(where[c]), generator=generator)[:batch].to(where[c].device)]
+            xb = siamese_augment(x[idx], augment, generator)
+            with torch.no_grad():
+                feats = model.encoder(xb)
+            target = torch.full((len(idx),), c, dtype=torch.long, device=feats.device)
+            gw, gb = torch.autograd.grad(F.cross_entropy(head(feats), target), [head.weight, head.bias])
+            out[c][0] += gw
+            out[c][1] += gb
+    return {int(c): ((w / draws).detach().cpu(), (b / draws).detach().cpu()) for c, (w, b) in out.items()}
+
+
+def retrain_steps(num_features: int, batch: int, epochs: int) -> int:
+    """Steps of `epochs` passes over `num_features` in minibatches of `batch`, the last
+    partial batch kept (the reference's DataLoader): epochs x ceil(n / batch)."""
+    return epochs * -(-num_features // batch)
 
 
 def linear_ce_gradients(w: torch.Tensor, b: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor):
@@ -203,15 +241,19 @@ class CReFF(FedAvg):
         return (first if first is not None else last) / n, last / n
 
     def retrain(self, rnd: int) -> None:
-        """J steps of SGD of a classifier on the federated features -> v^."""
+        """`retrain_epochs` epochs of SGD of a classifier on the federated features -> v^:
+        a new one (nn.Linear's own initialisation, seeded by (seed, round)) or, with
+        `retrain_start: aggregated`, a copy of the aggregated classifier."""
         if self.opts.retrain_start == "fresh":
-            torch.manual_seed(seed_for(int(self.cfg.seed), rnd, 45))
-            head = nn.Linear(self.model.feature_dim, self.num_classes)
+            with torch.random.fork_rng(devices=[]):  # the server's torch generator stays as it was
+                torch.manual_seed(seed_for(int(self.cfg.seed), rnd, 45))
+                head = nn.Linear(self.model.feature_dim, self.num_classes)
         else:
             head = copy.deepcopy(self.model.head)
         g = torch.Generator().manual_seed(seed_for(int(self.cfg.seed), rnd, 46))
-        self.classifier = train_linear(head, self.features, self.labels, int(self.opts.retrain_steps),
-                                       float(self.opts.retrain_lr), int(self.opts.retrain_batch), g)
+        steps = retrain_steps(len(self.labels), int(self.opts.retrain_batch), int(self.opts.retrain_epochs))
+        self.classifier = train_linear(head, self.features, self.labels, steps, float(self.opts.retrain_lr),
+                                       int(self.opts.retrain_batch), g)
 
     def eval_models(self) -> dict:
         return {"retrained": Retrained(self.model.encoder, self.classifier), "global": self.model}
@@ -232,7 +274,13 @@ class CReFF(FedAvg):
         model.load_state_dict(payload["weights"])
         head = self._head(client)
         head.load_state_dict(payload["classifier"])
-        grads = class_gradients(model, head, client.x, client.y)  # with the received u and v^
+        o = self.opts
+        if o.gradient == "exact":  # with the received u and v^
+            grads = class_gradients(model, head, client.x, client.y)
+        else:  # its own stream: local training draws the same batches as FedAvg's
+            g = torch.Generator().manual_seed(seed_for(int(self.cfg.seed), client.round, client.cid, 49))
+            grads = sampled_class_gradients(model, head, client.x, client.y, int(o.gradient_draws),
+                                            int(o.gradient_batch), o.augment, g)
         stats = local_sgd(client, model, self.local_loss(client, payload))
         return ClientResult(client.cid, client.num_samples, {"weights": cpu_state(model), "grads": grads}, stats)
 

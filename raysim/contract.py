@@ -3,7 +3,7 @@
 An algorithm is one class with a server half and a client half:
 
 - server half (runs in the server actor): `setup(server)` once, then `run_round(rnd,
-  server)` each round. The default `run_round` is the FedAvg shape:
+  server)` each round, then `after_training(server)` once (a post-hoc step; default none). The default `run_round` is the FedAvg shape:
   select -> `broadcast` -> `client_update` on each chosen client -> `aggregate`.
   An algorithm with stages, several models or extra uploads overrides `run_round` (or
   `setup`) and uses the same two runtime calls, `server.select_clients` and
@@ -159,6 +159,15 @@ class Algorithm:
 
     def eval_models(self) -> dict[str, torch.nn.Module]:
         """Models to evaluate on the global test set; the first one is 'the' accuracy."""
+        return {}
+
+    def after_training(self, server: Server) -> dict[str, torch.nn.Module]:
+        """Once, after the last round: a post-hoc step on the final model (CCVR's classifier
+        calibration), with the same `Server` calls as a round (its round number is the
+        last one). Returns the models that are the run's result: the first one's test
+        accuracy becomes the summary's `final_accuracy` (the last round's stays as
+        `final_round_accuracy`); each is in `summary.json`'s `after_training`. Default: {}
+        (the last round's models are the result)."""
         return {}
 
     def clients_joined(self, rnd: int, cids: list[int], server: Server) -> None:

@@ -4,6 +4,7 @@
     server = InProcessServer(cfg, clients=[(x0, y0), (x1, y1), (x2, y2), (x3, y3)], test=(x_test, y_test))
     server.setup()                  # the selection's and the algorithm's `setup`
     metrics = server.round(1)       # `run_round`, then accuracy of the first of `eval_models()`
+    final = server.finish()         # `after_training` after the last round (CCVR's calibration)
 
 or `InProcessServer.from_config(cfg)` for the config's own dataset and partition.
 
@@ -152,6 +153,14 @@ class InProcessServer:
             ev = evaluate(next(iter(models.values())), self.test[0], self.test[1], self.num_classes)
             metrics.update(accuracy=ev["accuracy"], loss=ev["loss"])
         return metrics
+
+    def finish(self) -> dict:
+        """The algorithm's `after_training` and, given a test set, {name: accuracy} of the
+        models it returns ({} when it returns none)."""
+        models = self.algorithm.after_training(self) or {}
+        if self.test is None:
+            return {name: None for name in models}
+        return {name: evaluate(m, self.test[0], self.test[1], self.num_classes)["accuracy"] for name, m in models.items()}
 
     def run(self, rounds: Optional[int] = None) -> list[dict]:
         """`setup`, then rounds 1..`rounds` (default: the config's); the metrics of each."""

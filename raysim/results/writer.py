@@ -88,6 +88,11 @@ class RunWriter:
         if self.trackers is not None:
             self.trackers.round(row)
 
+    def clients(self, clients: list[dict]) -> None:
+        """Rows of the clients table with no metrics row (calls after the last round)."""
+        if clients:
+            self.client_tables.append(_table(clients))
+
     def flush_tables(self) -> None:
         if self.client_tables:  # one table again: rounds may differ in columns (null where absent)
             self.client_tables = [pa.concat_tables(self.client_tables, promote_options="permissive")]

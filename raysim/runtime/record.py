@@ -69,6 +69,11 @@ class RunRecord:
         self.rows = []  # written: not held until the next round (all N clients' rows after a local evaluation)
         self.metrics.record(row)
 
+    def clients_only(self) -> None:
+        """The clients' rows of calls made outside a round (`Algorithm.after_training`)."""
+        self.writer.clients(self.rows)
+        self.rows = []
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, rnd: int, state: dict) -> None:
         """Metrics so far, then `state` (everything else a resumed run needs) with the

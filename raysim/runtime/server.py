@@ -306,6 +306,7 @@ class FederatedServer:
     # ------------------------------------------------------------------ the end
     def finish(self) -> dict:
         summary = {**self.record.summary(), "status": "finished"}
+        summary.update(self._after_training())
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
         for info in self.dispatch.actor_info():
@@ -319,6 +320,36 @@ class FederatedServer:
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
         return summary
+
+    def _after_training(self) -> dict:
+        """The algorithm's post-hoc step (`Algorithm.after_training`, e.g. CCVR's calibration),
+        its models evaluated on the test set: summary fields. The first model's accuracy is
+        the run's `final_accuracy` (and shot groups); the last round's is kept beside it."""
+        rnd = int(self.cfg.rounds)
+        self.record.new_round()
+        t0 = time.time()
+        models = self.algorithm.after_training(self) or {}
+        self.record.clients_only()  # the calls it made, in the clients table under the last round
+        if not models:
+            return {}
+        if self.cfg.eval.tau_norm:
+            models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
+        self._check_finite(rnd, {}, models)
+        out: dict = {"final_round_accuracy": self.record.summary()["final_accuracy"], "after_training": {}}
+        for i, (name, model) in enumerate(models.items()):
+            ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
+            out["after_training"][name] = {"accuracy": ev["accuracy"], "loss": ev["loss"],
+                                           "per_class_accuracy": ev["per_class_accuracy"]}
+            if i == 0:
+                out["final_accuracy"] = ev["accuracy"]
+                if self.shots is not None:
+                    out.update({f"final_{k}": v for k, v in
+                                shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots).items()})
+        first = next(iter(models))
+        last = out["final_round_accuracy"]
+        self.record.log(f"after training: {first} accuracy={out['final_accuracy']:.4f} (the last round's: "
+                        f"{'-' if last is None else f'{last:.4f}'}), {time.time() - t0:.2f} s")
+        return out
 
     def state_bytes(self) -> dict:
         """{part: bytes} of what this server holds (runtime/footprint.py), the dispatch's and the
