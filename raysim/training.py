@@ -163,22 +163,30 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
             return {"loss": total / max(count, 1), "steps": done, "lr": lr}
 
 
-def train_linear(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, batch_size: int,
-                 generator: torch.Generator) -> torch.nn.Module:
-    """`steps` steps of plain SGD on the cross-entropy of `head` on (x, y), minibatches drawn
-    without replacement from `generator` (a new permutation per pass): a classifier re-trained
-    on server-side features (CReFF's federated features, CCVR's virtual ones)."""
-    opt = SGD(head.parameters(), lr=lr)
+def train_linear(head: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, batch_size: int,
+                 generator: torch.Generator) -> torch.nn.Linear:
+    """`steps` steps of plain SGD on the mean cross-entropy of the linear layer `head` on
+    (x, y), minibatches drawn without replacement from `generator` (a new permutation per
+    pass, the last partial batch kept): a classifier re-trained on server-side features
+    (CReFF's federated features, CCVR's virtual ones). The gradient in closed form,
+    (softmax - one-hot)^T x / B and its column mean for the bias: autograd's up to float
+    rounding, 2.5x faster for the reference's 9,600 steps a round."""
+    w, b = head.weight.detach(), head.bias.detach()  # updated in place: the head's own tensors
+    eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
     n = len(y)
     perm, at = torch.randperm(n, generator=generator), 0
-    for _ in range(steps):
-        if at >= n:
-            perm, at = torch.randperm(n, generator=generator), 0
-        idx = perm[at:at + batch_size]
-        at += batch_size
-        opt.zero_grad()
-        F.cross_entropy(head(x[idx]), y[idx]).backward()
-        opt.step()
+    with torch.no_grad():
+        for _ in range(steps):
+            if at >= n:
+                perm, at = torch.randperm(n, generator=generator), 0
+            idx = perm[at:at + batch_size].to(x.device)
+            at += batch_size
+            xb = x[idx]
+            delta = torch.softmax(torch.addmm(b, xb, w.T), dim=1)
+            delta -= eye[y[idx]]
+            delta /= len(idx)
+            w.sub_(delta.T @ xb, alpha=lr)
+            b.sub_(delta.sum(0), alpha=lr)
     return head
 
 
