@@ -1,18 +1,22 @@
 """How good are CReFF's federated features? At the end of a CReFF run, re-train the classifier
-on other feature sets from the same state and compare their test accuracy (issue 26).
+on other feature sets from the same state and compare their test accuracy (issues 26, 45).
 
     python benchmarks/creff_features.py RUN_DIR [--match-steps 2000]
 
 RUN_DIR is a finished `algorithm=creff` run (its model.pt holds the global model, the
-re-trained classifier and the federated features). From the global feature extractor u, the
-script re-trains the classifier (300 steps, lr 0.1, batch 32, from the aggregated one, as
-CReFF and CCVR do) on:
-  - the run's federated features as they are, and after `--match-steps` more matching
-    steps against the clients' per-class gradients of this state (all clients);
+re-trained classifier and the federated features). Rows: the FedAvg model's own classifier
+and the run's re-trained one v^, as they are; then, from the global feature extractor u, a
+classifier re-trained the way the run re-trains (`creff.retrain_start`, `retrain_epochs`,
+`retrain_lr`, `retrain_batch`: CReFF.retrain itself) on:
+  - the run's federated features as they are (and from the aggregated classifier instead;
+    and scaled to the real features' mean norm, a probe of whether their scale is what
+    misleads the classifier: CReFF's cosine matching leaves the scale free), and after `--match-steps` more matching steps against the clients' exact per-class
+    gradients of this state (all clients);
   - CCVR's virtual features: 100 draws per class from the Gaussians pooled over every
     client's per-class mean and covariance, and over the first 8 clients only;
   - 100 real training features per class (a balanced draw): what a perfect matching could give.
-Prints test accuracy and per-class accuracy for each.
+Prints test accuracy, per-class accuracy, and the mean L2 norm of each feature set (the real
+features' for comparison).
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 from raysim.algorithms.ccvr import pooled_gaussians  # noqa: E402
 from raysim.algorithms.creff import CReFF, linear_ce_gradients, matching_loss  # noqa: E402
 from raysim.experiment import prepare  # noqa: E402
-from raysim.training import train_linear  # noqa: E402
 
 
 def main() -> int:
@@ -52,17 +55,36 @@ def main() -> int:
         f, ft = model.encoder(data.inputs(data.x_train)), model.encoder(data.inputs(data.x_test))
     m = int(cfg.creff.features_per_class)
 
-    def report(name: str, feats: torch.Tensor, labels: torch.Tensor) -> None:
-        head = train_linear(copy.deepcopy(model.head), feats, labels, 300, 0.1, 32, torch.Generator().manual_seed(0))
+    algo = CReFF(cfg, C, data.input_shape)
+    algo.model = model
+
+    def show(name: str, head) -> None:
         with torch.no_grad():
             pred = head(ft).argmax(1)
         per_class = [float((pred[yt == c] == c).float().mean()) for c in range(C)]
-        print(f"{name:48s} accuracy {float((pred == yt).float().mean()):.4f}  per class "
+        print(f"{name:56s} accuracy {float((pred == yt).float().mean()):.4f}  per class "
               + " ".join(f"{a:.2f}" for a in per_class))
 
+    def report(name: str, feats: torch.Tensor, labels: torch.Tensor, start: str | None = None) -> None:
+        """A classifier re-trained on (feats, labels) the way the run re-trains (CReFF.retrain)."""
+        algo.features, algo.labels = feats, labels
+        if start is not None:
+            algo.cfg = OmegaConf.merge(cfg, {"creff": {"retrain_start": start}})
+        algo.retrain(int(cfg.rounds))
+        algo.cfg = cfg
+        show(f"{name} (norm {float(feats.norm(dim=1).mean()):.1f})", algo.classifier)
+
     print(f"training samples per class: {np.bincount(data.y_train, minlength=C).tolist()}")
+    print(f"re-training: start {cfg.creff.retrain_start}, {cfg.creff.retrain_epochs} epochs, lr {cfg.creff.retrain_lr}, "
+          f"batch {cfg.creff.retrain_batch}; real training features' mean norm {float(f.norm(dim=1).mean()):.1f}")
+    show("FedAvg's classifier (the global model's)", model.head)
+    show("the run's re-trained classifier v^", v_hat)
     labels = torch.arange(C).repeat_interleave(m)
     report("federated features (the run's)", state["features"], labels)
+    report("federated features, from the aggregated classifier", state["features"], labels, "aggregated")
+    scale = float(f.norm(dim=1).mean() / state["features"].norm(dim=1).mean())
+    report(f"federated features x {scale:.2f} (a probe: to the real features' mean norm)", state["features"] * scale,
+           labels)
 
     # the clients' per-class gradients w.r.t. v^ at this state, averaged over the holders
     w, b = v_hat.weight.detach(), v_hat.bias.detach()

@@ -11,7 +11,9 @@ change what a point computes. The points land where `raysim.sweep` puts them
 (<output-dir>/<sweep name>/<point>, named by their grid values, in grid order), so
 `python -m raysim.results.table` reads them and a later `raysim.sweep` counts the finished ones
 as done; points with a summary.json are skipped. Each point's output goes to <point>.out
-beside its folder; the script prints one line per point as it ends.
+beside its folder; the script prints one line per point as it ends. On the lent GPU machine,
+give an --output-dir outside $OUT and tar it into $OUT at the end: point names hold '=' and
+',', which the machine does not send back.
 """
 from __future__ import annotations
 

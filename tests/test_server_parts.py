@@ -162,7 +162,8 @@ def test_fedprox_with_a_server_adam_and_creff_with_a_median_learn_in_process():
     torch.set_num_threads(1)
     common = ["dataset=digits", "num_clients=8", "participation=0.5", "rounds=4"]
     for extra in (["algorithm=fedprox", "server.optimizer=adam", "server.lr=0.03"],
-                  ["algorithm=creff", "server.aggregator=median", "creff.match_steps=5", "creff.retrain_epochs=1"]):
+                  ["algorithm=creff", "server.aggregator=median", "creff.match_steps=5", "creff.retrain_epochs=2",
+                   "creff.retrain_start=aggregated", "creff.retrain_lr=0.1"]):
         run = InProcessServer.from_config(load_config(overrides=[*common, *extra])).run()
         assert run[-1]["accuracy"] > 0.3, (extra, run[-1])
 
