@@ -283,7 +283,10 @@ def _service_address(args) -> tuple:
     for _, data in reversed(layers):
         ray_layer = data.get("ray")
         if isinstance(ray_layer, dict) and "address" in ray_layer:
-            return (None, None) if ray_layer["address"] else (addr, layers)
+            if ray_layer["address"]:
+                return None, None
+            break
+    service.check_stamp()  # a service of another raysim / Ray / Python: one line, not Ray's traceback
     return addr, layers
 
 

@@ -17,7 +17,8 @@ process ends however it ends) and a second command waits, saying so. Ctrl-C stop
 command's run; its server is replaced by a fresh one, and the service stays up.
 
 Files, in `RAYSIM_SERVICE_DIR` (default: <temp>/raysim-service-<uid>): `address` (the GCS
-address, written when the service is up), `token`, `lock`, `ray/` (Ray's temp folder, whose
+address, written when the service is up), `version` (`stamp()`: a command of another raysim, Ray
+or Python refuses the service in one line), `token`, `lock`, `ray/` (Ray's temp folder, whose
 path every process of this Ray carries: `down` stops exactly those).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 NAMESPACE = "raysim-service"
+SERVICE_FORMAT = 1  # the files below; raise it when they change
 SERVER_NAME = "raysim-server"
 
 
@@ -51,6 +53,31 @@ def address() -> Optional[str]:
         return addr
     except (OSError, ValueError):
         return None
+
+
+def stamp() -> str:
+    """What a service's processes must share with a command that joins them: raysim's folder
+    format and version, Ray's version (the wire protocol) and Python's (pickled code)."""
+    import importlib.metadata
+
+    from raysim import __version__
+
+    return (f"raysim {__version__} (service format {SERVICE_FORMAT}), Ray {importlib.metadata.version('ray')}, "
+            f"Python {sys.version_info[0]}.{sys.version_info[1]}")
+
+
+def check_stamp() -> None:
+    """ConfigError (one line) when the running service was started by another raysim, Ray or
+    Python than this command's: joining it would fail deep inside Ray."""
+    from raysim.errors import ConfigError
+
+    try:
+        theirs = (folder() / "version").read_text().strip()
+    except OSError:
+        theirs = "a raysim that writes no version file"
+    if theirs != stamp():
+        raise ConfigError(f"the raysim service in {folder()} was started by {theirs}; this command is {stamp()}: "
+                          "stop it (python -m raysim.down) and start it again (python -m raysim.up)")
 
 
 def use_token() -> None:
@@ -217,6 +244,7 @@ def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print) -> in
 
     server = new_server()
     ray.get(server.ping.remote())  # torch and raysim imported
+    (d / "version").write_text(stamp())
     (d / "address").write_text(addr)
     say(f"the raysim service is up at {addr}: `python -m raysim.run ...` uses it; `python -m raysim.down` stops it")
     return 0

@@ -90,11 +90,38 @@ def _load_checked(loader, source: str):
         if root is None:
             return None
         size(root)
+        _unique_keys(root, source)
         return loader.construct_document(root)
     except RecursionError:
         raise ConfigError(f"malformed YAML in {source}: nested too deeply") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"malformed YAML in {source}: {str(e).splitlines()[0]}") from None
+
+
+def _unique_keys(root, source: str) -> None:
+    """YAML requires a mapping's keys to be unique; PyYAML keeps the last of a repeated key
+    silently. A repeated key is almost always a merge or copy mistake: ConfigError naming
+    the key's path and both lines."""
+    seen_nodes: set = set()
+    todo = [(root, "")]
+    while todo:
+        node, path = todo.pop()
+        if id(node) in seen_nodes:  # an alias: checked where its anchor is
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
+                    if k.value in lines:
+                        raise ConfigError(f"{source}: key {path}{k.value} appears twice (lines {lines[k.value]} and "
+                                          f"{k.start_mark.line + 1}); YAML keys must be unique: keep one")
+                    lines[k.value] = k.start_mark.line + 1
+                    todo.append((v, f"{path}{k.value}."))
+                else:
+                    todo.append((v, path))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((c, path) for c in node.value)
 
 
 def read_text_file(path: str, what: str = "config file") -> str:

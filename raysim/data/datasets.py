@@ -47,13 +47,19 @@ class FederatedData:
     users_test: Optional[np.ndarray] = None
     norm: Optional[tuple] = None  # per-channel (mean, std) the images are standardised with
     pixel_max: Optional[float] = None  # images: x_* hold uint8 pixels in [0, pixel_max]
+    label_source: Optional[tuple] = None  # (train, test): the files (or column) the labels came from, for messages
 
-    def __post_init__(self) -> None:  # every loader's files, a plugin's arrays: samples and labels pair up
-        for split in ("train", "test"):
+    def __post_init__(self) -> None:
+        """Every loader's files, a plugin's arrays: samples and labels pair up, and every
+        label is a class id 0..num_classes-1 (a label file of another dataset or a corrupt
+        copy would otherwise fail later, in the partition or the loss, naming the wrong cause)."""
+        for i, split in enumerate(("train", "test")):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if len(x) != len(y):
                 raise ConfigError(f"dataset {self.name!r}: its {split} files hold {len(x):,} samples but {len(y):,} "
                                   "labels; they must come from the same copy of the dataset: fetch it again")
+            check_labels(self.name, np.asarray(y), int(self.num_classes),
+                         self.label_source[i] if self.label_source else f"its {split} labels")
 
     @property
     def input_shape(self) -> tuple:
@@ -152,6 +158,22 @@ def _gunzip_if_needed(name: str, raw: Path) -> None:
             _check_idx(name, out, out)
 
 
+def check_labels(name: str, y: np.ndarray, num_classes: int, where) -> None:
+    """ConfigError naming `where` (a label file, a column) unless every label is an integer
+    class id in [0, num_classes)."""
+    if not y.size:
+        return
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ConfigError(f"dataset {name!r}: {where} holds labels of type {y.dtype} (e.g. {y.flat[0]!r}); labels "
+                          f"are class ids 0-{num_classes - 1}")
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any():
+        first, more = int(np.argmax(bad)), int(bad.sum()) - 1
+        raise ConfigError(f"dataset {name!r}: {where} holds label {int(y[first])} (sample {first:,}"
+                          f"{f' and {more:,} more' if more else ''}); the dataset's classes are 0-{num_classes - 1} "
+                          f"({num_classes}): a label file from another dataset or a corrupt copy? fetch it again")
+
+
 def check_paired(name: str, x_file, n_x: int, y_file, n_y: int) -> None:
     """Samples and their labels read from two files must be as many: a label file cut short
     (or an image file from another copy) would otherwise pair images with wrong labels or
@@ -200,7 +222,7 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
         _pixels(test.data.numpy()),
         test.targets.numpy().astype(np.int64),
         10,
-        norm=((mean,), (std,)), pixel_max=255.0,
+        norm=((mean,), (std,)), pixel_max=255.0, label_source=(raw / _IDX_FILES[1], raw / _IDX_FILES[3]),
     )
 
 
@@ -261,8 +283,9 @@ def _cifar_data(name, tv_cls, folder, files, cfg, num_classes, label_key=None) -
         else:  # CIFAR-100 coarse labels sit in the same pickles as the fine ones
             with open(root / folder / split, "rb") as f:
                 ys.append(np.asarray(pickle.load(f, encoding="latin1")[label_key], np.int64))
+    where = (f"{root / folder}/{files[0] if len(files) == 2 else 'data_batch_*'}", root / folder / files[-1])
     return FederatedData(name, _pixels(train.data), ys[0], _pixels(test.data), ys[1],
-                         num_classes, norm=(mean, std), pixel_max=255.0)
+                         num_classes, norm=(mean, std), pixel_max=255.0, label_source=where)
 
 
 @DATASETS.register("cifar10")
@@ -323,7 +346,8 @@ class SVHN:
         # torchvision keeps SVHN as (N, C, H, W) uint8 already
         return FederatedData("svhn", _pixels(train.data.transpose(0, 2, 3, 1)), train.labels.astype(np.int64),
                              _pixels(test.data.transpose(0, 2, 3, 1)), test.labels.astype(np.int64), 10,
-                             norm=(mean, std), pixel_max=255.0)
+                             norm=(mean, std), pixel_max=255.0,
+                             label_source=(root / "train_32x32.mat", root / "test_32x32.mat"))
 
 
 CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

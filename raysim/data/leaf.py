@@ -82,7 +82,12 @@ def _stack(users: list[str], split: dict, convert) -> tuple[np.ndarray, np.ndarr
         if not d or not d["y"]:
             continue
         xs.append(convert(d["x"]))
-        ys.append(np.asarray(d["y"], dtype=np.int64))
+        y = np.asarray(d["y"])
+        if not np.issubdtype(y.dtype, np.integer) and not (np.issubdtype(y.dtype, np.floating)
+                                                           and np.all(np.mod(y, 1) == 0)):
+            bad = next(v for v in d["y"] if not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()))
+            raise ConfigError(f"the LEAF files give user {u!r} the label {bad!r}; labels are class ids (integers)")
+        ys.append(y.astype(np.int64))
         owner.append(np.full(len(d["y"]), i, dtype=np.int64))
     if not xs:
         raise ConfigError("the LEAF files hold no samples for the chosen users")
@@ -108,11 +113,9 @@ class FEMNIST:
         mean, std = _scaling(cfg, (0.1307,), (0.3081,))
         parts = [_stack(users, s, pixels) for s in (train, test)]
         (xtr, ytr, otr), (xte, yte, ote) = parts
-        for y in (ytr, yte):
-            if y.min() < 0 or y.max() >= 62:
-                raise ConfigError(f"dataset 'femnist': labels must be 0..61, found {y.min()}..{y.max()}")
         return FederatedData("femnist", _pixels(xtr), ytr, _pixels(xte), yte, 62,
-                             users_train=otr, users_test=ote, norm=(mean, std), pixel_max=255.0)
+                             users_train=otr, users_test=ote, norm=(mean, std), pixel_max=255.0,
+                             label_source=tuple(f"the LEAF files in {_folder(cfg, 'femnist', s)}" for s in ("train", "test")))
 
 
 @dataclass
@@ -193,7 +196,5 @@ class Sent140:
                             out[j, k] = vectors[w]
                 return out
         (xtr, ytr, otr), (xte, yte, ote) = (_stack(users, split, convert) for split in (train, test))
-        for y in (ytr, yte):
-            if y.min() < 0 or y.max() > 1:
-                raise ConfigError(f"dataset 'sent140': labels must be 0 or 1, found {y.min()}..{y.max()}")
-        return FederatedData("sent140", xtr, ytr, xte, yte, 2, users_train=otr, users_test=ote)
+        return FederatedData("sent140", xtr, ytr, xte, yte, 2, users_train=otr, users_test=ote,
+                             label_source=tuple(f"the LEAF files in {_folder(cfg, 'sent140', s)}" for s in ("train", "test")))

@@ -113,23 +113,63 @@ class MLflow:
 KINDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
+def _first_line(e: Exception, limit: int = 160) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 class Trackers:
-    """The trackers `log.*` turns on, for one run directory."""
+    """The trackers `log.*` turns on, for one run directory. One that cannot open is a
+    ConfigError naming its key (the caller removes the new run directory); one that fails
+    mid-run is dropped with a line for the run's log: the run directory has everything."""
 
     def __init__(self, run_dir: Path, cfg: dict, resumed: bool = False):
         self.path = Path(run_dir) / "trackers.json"
         ids = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
-        self.active = [cls(Path(run_dir), cfg, ids) for name, cls in KINDS.items() if cfg["log"].get(name)]
+        self.active: list = []
+        for name, cls in KINDS.items():
+            if not cfg["log"].get(name):
+                continue
+            try:
+                self.active.append((name, cls(Path(run_dir), cfg, ids)))
+            except Exception as e:  # a bad URI, an unreachable server, a folder it cannot write
+                self.close()
+                from raysim.errors import ConfigError
+
+                what = _first_line(e)
+                raise ConfigError(f"log.{name}=true: the tracker did not open ({type(e).__name__}"
+                                  f"{': ' + what if what else ''}); check its log.* settings or turn it off") from None
         if self.active:
             self.path.write_text(json.dumps(ids))
 
-    def round(self, row: dict) -> None:
-        for t in self.active:
-            t.round(row)
+    def _each(self, call: str, arg: dict, when: str) -> list[str]:
+        failed = []
+        for name, t in list(self.active):
+            try:
+                getattr(t, call)(arg)
+            except Exception as e:
+                self.active.remove((name, t))
+                first = _first_line(e)
+                failed.append(f"log.{name}: the tracker failed {when} ({type(e).__name__}{': ' + first if first else ''}); "
+                              "no longer logging to it (the run directory has every round)")
+        return failed
 
-    def finish(self, summary: dict) -> None:
-        for t in self.active:
-            t.finish(summary)
+    def round(self, row: dict) -> list[str]:
+        """Log the round to each tracker; the lines to log for trackers that failed."""
+        return self._each("round", row, f"in round {row.get('round')}")
+
+    def finish(self, summary: dict) -> list[str]:
+        failed = self._each("finish", summary, "at the end")
+        self.active = []
+        return failed
+
+    def close(self) -> None:
+        """Close what opened (a tracker after it failed to open), quietly."""
+        for _, t in self.active:
+            try:
+                t.finish({})
+            except Exception:
+                pass
         self.active = []
 
 

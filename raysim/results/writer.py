@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -70,7 +71,13 @@ class RunWriter:
         if trackers is not None and any(trackers["log"].get(k) for k in ("tensorboard", "wandb", "mlflow")):
             from raysim.results.trackers import Trackers
 
-            self.trackers = Trackers(self.dir, trackers, resumed=resume_round is not None)
+            try:
+                self.trackers = Trackers(self.dir, trackers, resumed=resume_round is not None)
+            except Exception:  # it did not open: a new run leaves no directory behind
+                self.log_file.close()
+                if resume_round is None:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
 
     def log(self, line: str) -> None:
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -86,7 +93,8 @@ class RunWriter:
         parts.append(f"clients={row['clients']} dropped={row['dropped']} seconds={row['seconds']:.2f}")
         self.log(" ".join(parts))
         if self.trackers is not None:
-            self.trackers.round(row)
+            for line in self.trackers.round(row):
+                self.log(line)
 
     def clients(self, clients: list[dict]) -> None:
         """Rows of the clients table with no metrics row (calls after the last round)."""
@@ -110,6 +118,7 @@ class RunWriter:
             torch.save(model_state, self.dir / "model.pt")
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log("summary " + json.dumps(summary))
-        self.log_file.close()
         if self.trackers is not None:
-            self.trackers.finish(summary)
+            for line in self.trackers.finish(summary):
+                self.log(line)
+        self.log_file.close()

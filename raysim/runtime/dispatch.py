@@ -42,6 +42,8 @@ class Dispatch:
         self.actors, self.actor_key, self.reused = started or start_client_actors(cfg, run_name)
         self.needs = describe_needs(*self.actor_key)
         self.n_actors = len(self.actors)
+        total = ray.cluster_resources()
+        self.why = placement.why_actors(cfg, self.n_actors, total.get("CPU", 0), total.get("GPU", 0))  # for the run's log
         self.one_per_client = cfg.resources.clients_per_actor == 1
         self._ready = [a.device_info.remote() for a in self.actors]
         self.record = None  # the run record (runtime/record.py): `client` rows and `log` lines; set by the server

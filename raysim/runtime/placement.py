@@ -28,7 +28,27 @@ def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int
         fits.append(int(cluster_cpus // cpus))
     if r.num_gpus_per_actor > 0:
         fits.append(int(cluster_gpus // r.num_gpus_per_actor))
+    if not fits:  # 0 CPUs and no GPU each: nothing bounds the count; one per CPU, as the default
+        fits.append(int(max(cluster_cpus, 1)))
     return max(1, min([n, *fits]))
+
+
+def why_actors(cfg: DictConfig, n_actors: int, cluster_cpus: float, cluster_gpus: float) -> str:
+    """Why `num_actors` chose that many, for the run's log."""
+    r = cfg.resources
+    if r.num_actors is not None:
+        return f"resources.num_actors={r.num_actors}"
+    if r.clients_per_actor != "auto":
+        return f"resources.clients_per_actor={r.clients_per_actor}"
+    if n_actors == int(cfg.num_clients):
+        return "one per client: the cluster holds that many"
+    cpus = 1.0 if r.num_cpus_per_actor is None else float(r.num_cpus_per_actor)
+    if cpus == 0 and not r.num_gpus_per_actor:
+        return (f"resources.num_cpus_per_actor=0 bounds nothing: one per CPU of the cluster's {cluster_cpus:g}; "
+                "resources.num_actors sets the count")
+    per = [f"{cluster_cpus:g} CPUs / {cpus:g}" if cpus > 0 else None,
+           f"{cluster_gpus:g} GPUs / {r.num_gpus_per_actor:g}" if r.num_gpus_per_actor else None]
+    return "as many as fit: " + " and ".join(p for p in per if p)
 
 
 def cpus_per_actor(cfg: DictConfig, n_actors: int, cluster_cpus: float) -> float:

@@ -118,7 +118,7 @@ class FederatedServer:
         self.record = RunRecord(self.cfg, self.run_dir, self.t_start, ckpt, self.sizes, self.system.stragglers,
                                 self.adversaries.attacking)
         d.record = self.record
-        self.record.log(f"{d.n_actors} client actors ({d.needs} each) for {self.num_clients} clients"
+        self.record.log(f"{d.n_actors} client actors ({d.needs} each) for {self.num_clients} clients ({d.why})"
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
         if self.store_notice:
             self.record.log(f"note: {self.store_notice}")
