@@ -207,8 +207,9 @@ def one_run_at_a_time(say: Callable[[str], None]):
 
 
 # ---------------------------------------------------------------- up and down
-def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print) -> int:
-    """Start the service (a no-op, said, when it runs)."""
+def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print, dashboard: bool = False) -> int:
+    """Start the service (a no-op, said, when it runs); `dashboard`: with Ray's Dashboard on
+    loopback, behind the service's token."""
     import secrets
     import subprocess
 
@@ -226,7 +227,10 @@ def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print) -> in
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN_PATH=str(token))
     env.pop("RAY_AUTH_TOKEN", None)
-    cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
+    board = _free_port() if dashboard else None
+    cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+           *([f"--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={board}"] if board
+             else ["--include-dashboard=false"]),
            "--disable-usage-stats", f"--temp-dir={d / 'ray'}"] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
     say(f"starting Ray on 127.0.0.1:{port} (token authentication; {d})")
     log = d / "ray-start.log"  # a file, not a pipe: Ray's daemons inherit it and never close it
@@ -247,6 +251,10 @@ def up(num_cpus: Optional[int] = None, say: Callable[[str], None] = print) -> in
     (d / "version").write_text(stamp())
     (d / "address").write_text(addr)
     say(f"the raysim service is up at {addr}: `python -m raysim.run ...` uses it; `python -m raysim.down` stops it")
+    if board:
+        from raysim.runtime.ray_session import dashboard_line
+
+        say(dashboard_line(f"127.0.0.1:{board}"))  # connect() pointed RAY_AUTH_TOKEN_PATH at the service's token
     return 0
 
 

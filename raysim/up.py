@@ -1,4 +1,4 @@
-"""`python -m raysim.up [--num-cpus N]`: start the warm local service (raysim/service.py)."""
+"""`python -m raysim.up [--num-cpus N] [--dashboard]`: start the warm local service (raysim/service.py)."""
 import argparse
 import sys
 
@@ -9,8 +9,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m raysim.up", description="Start raysim's warm local service: a "
                                 "local Ray with a warm server that later `python -m raysim.run` commands use.")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs the service's Ray offers (default: all)")
+    p.add_argument("--dashboard", action="store_true", help="also start Ray's Dashboard (loopback, the service's token)")
     args = p.parse_args(argv)
-    return up(args.num_cpus)
+    return up(args.num_cpus, dashboard=args.dashboard)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class RayConfig:
     address: Optional[str] = None  # None: start a local Ray; "auto" or host:port: join a cluster
     dashboard: bool = False  # local Ray only: start the dashboard (costs ~1 GB RSS and ~1 s)
     num_cpus: Optional[int] = None  # local Ray only: CPUs to offer (default: all)
+    metrics_port: Optional[int] = None  # local Ray only: the port its Prometheus endpoint serves on (127.0.0.1:PORT/metrics; default: Ray picks one)
     object_store_gb: Optional[float] = None  # local Ray only: its object store, GB (default: Ray's, 30% of memory, enlarged by the command when the data need it)
     # between runs in one Ray session (raysim.simulate in a notebook, a sweep, a test suite):
     # keep the server's and client actors' processes and reuse them (see runtime/pool.py)

@@ -176,6 +176,8 @@ def check_ray(ray: DictConfig, need) -> None:
          "of), HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray Client), or leave it "
          "unset for a local Ray")
     need(ray.object_store_gb is None or ray.object_store_gb > 0, f"ray.object_store_gb must be > 0, got {ray.object_store_gb}")
+    need(ray.metrics_port is None or 1024 <= ray.metrics_port <= 65535,
+         f"ray.metrics_port must be a port in 1024..65535 (or null: Ray picks one), got {ray.metrics_port}")
     need(ray.num_cpus is None or ray.num_cpus >= 1,
          f"ray.num_cpus must be >= 1 (the client actors need CPUs), got {ray.num_cpus}")
 

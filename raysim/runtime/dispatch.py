@@ -141,6 +141,8 @@ class Dispatch:
                     one = result if n is None else ClientResult(cid, n, None, metrics)
                     self.record.client(rnd, cid, method, "ok", result=one, epochs=epochs[cid])
                     j += 1
+                if j == len(chunk):
+                    self.record.metrics.actor_done(a, len(chunk))
                 yield result
 
     # ------------------------------------------------------------------ faults and restarts

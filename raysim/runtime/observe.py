@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
+# Every metric raysim exports, as Prometheus names it (Ray adds `ray_`, counters `_total`):
+# the Grafana dashboard (raysim/grafana_dashboard.json) is checked against this list.
+EXPORTED = ("ray_raysim_rounds_done_total", "ray_raysim_client_updates_total", "ray_raysim_clients_dropped_total",
+            "ray_raysim_bytes_down_total", "ray_raysim_bytes_up_total", "ray_raysim_round_seconds", "ray_raysim_round",
+            "ray_raysim_accuracy", "ray_raysim_loss", "ray_raysim_actor_client_updates_total")
+
 
 class RayMetrics:
     def __init__(self, run: str):
@@ -23,6 +29,9 @@ class RayMetrics:
                                    tag_keys=keys)
         self.round = Gauge("raysim_round", "The last round completed", tag_keys=keys)
         self.accuracy = Gauge("raysim_accuracy", "Accuracy at the last evaluation", tag_keys=keys)
+        self.loss = Gauge("raysim_loss", "Test loss at the last evaluation", tag_keys=keys)
+        self.actor_updates = Counter("raysim_actor_client_updates", "Client calls a client actor returned "
+                                     "(its throughput: rate of this by actor)", tag_keys=("run", "actor"))
 
     def record(self, row: dict) -> None:
         """One round's metrics row (see FederatedServer.step)."""
@@ -41,3 +50,10 @@ class RayMetrics:
         self.round_seconds.set(row["seconds"] + row["eval_seconds"], tags=t)
         if row.get("accuracy") is not None:
             self.accuracy.set(row["accuracy"], tags=t)
+        if row.get("loss") is not None:
+            self.loss.set(row["loss"], tags=t)
+
+    def actor_done(self, actor: int, clients: int) -> None:
+        """Client actor `actor` returned `clients` client calls."""
+        if clients:
+            self.actor_updates.inc(clients, tags={**self.tags, "actor": str(actor)})

@@ -44,9 +44,11 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
         try:
             store = ray_cfg.get("object_store_gb")
             with interruptible("while starting the local Ray", meanwhile) if command else contextlib.nullcontext():
+                port = ray_cfg.get("metrics_port")
                 ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=bool(ray_cfg.dashboard),
                                object_store_memory=int(store * 2**30) if store else None,
-                               logging_level=logging.ERROR, log_to_driver=False)
+                               logging_level=logging.ERROR, log_to_driver=False,
+                               **({"_metrics_export_port": int(port)} if port else {}))
         except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
             raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
                               "logs are in its temp folder's session_latest/logs; a time-out here means the "
@@ -56,9 +58,39 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
     subprocess.Popen([sys.executable, "-m", "raysim.runtime.reaper", str(os.getpid())], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if ray_cfg.dashboard:
-        say(f"Ray's dashboard: http://{ctx.dashboard_url} (it asks for a token only when Ray runs with "
-            "RAY_AUTH_MODE=token: see docs/cluster.md, Security)")
+        say(dashboard_line(ctx.dashboard_url))
+    if ray_cfg.get("metrics_port") or ray_cfg.dashboard:
+        say(f"Ray's metrics, raysim's ray_raysim_* among them, for Prometheus: http://127.0.0.1:{metrics_port()}/metrics")
     return True
+
+
+def metrics_port() -> int:
+    """The port the local node's Prometheus endpoint serves on."""
+    import ray
+
+    return int(ray._private.worker.global_worker.node.metrics_export_port)
+
+
+def token_source() -> Optional[str]:
+    """Where the Dashboard's token comes from for a Ray this process started or joined, as
+    words to print; None when Ray runs without token authentication (RAY_AUTH_MODE=disabled).
+    Ray >= 2.60 turns token authentication on for every new local Ray unless told otherwise,
+    keeping the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN_PATH's file, or RAY_AUTH_TOKEN)."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the value of RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return f"the contents of {path}" + ("" if os.environ.get("RAY_AUTH_TOKEN_PATH") else " (`ray get-auth-token` prints it)")
+
+
+def dashboard_line(url: str) -> str:
+    """The line that says where the Dashboard is and how to get in."""
+    url = url if url.startswith("http") else f"http://{url}"
+    source = token_source()
+    if source is None:
+        return f"Ray's dashboard: {url} (no token: RAY_AUTH_MODE is disabled)"
+    return f"Ray's dashboard: {url} ; it asks for Ray's token: paste {source}"
 
 
 class Meanwhile:
