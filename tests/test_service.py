@@ -43,11 +43,32 @@ def service(tmp_path_factory):
     (work / "edited_plugin.py").write_text("VERSION = 1\n")
     env = dict(os.environ, RAYSIM_SERVICE_DIR=str(folder),
                PYTHONPATH=os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")]))
-    r = command(["raysim.up", "--num-cpus", "4"], work, env)
+    r = command(["raysim.up", "--num-cpus", "4", "--dashboard"], work, env)
     assert r.returncode == 0 and "the raysim service is up at 127.0.0.1:" in r.stdout, r.stdout + r.stderr
+    _the_dashboard_is_behind_the_token_the_line_names(r.stdout, folder)
     yield folder, work, env
     command(["raysim.down"], work, env)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _the_dashboard_is_behind_the_token_the_line_names(out: str, folder: Path) -> None:
+    """raysim.up --dashboard prints the Dashboard's address and the service's token file; the
+    Dashboard's API answers 401 without that token and 200 with it."""
+    import re
+    import urllib.error
+    import urllib.request
+
+    line = next(line for line in out.splitlines() if "Ray's dashboard:" in line)
+    url = re.search(r"(http://\S+)", line).group(1)
+    token_file = re.search(r"paste the contents of (\S+)", line).group(1)
+    assert Path(token_file) == folder / "token", line
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url + "/api/v0/actors", timeout=10)
+    assert e.value.code == 401
+    token = Path(token_file).read_text().strip()
+    req = urllib.request.Request(url + "/api/v0/actors", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
 
 
 def test_a_command_on_the_service_gives_the_cold_commands_model(service):
