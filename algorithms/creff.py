@@ -41,11 +41,14 @@ same as `sum` with a feature_lr C + 1 times smaller: at the reference's feature_
 barely moves the features; measured on digits, IF=10, 8 rounds: matching loss per class
 0.90 -> 0.73 and 0.25 accuracy with `mean`, against 9.9 -> 0.96 and 0.68 with `sum`).
 The reference runs 200 rounds of 10 local epochs.
-Measured against CCVR before these defaults (issue 26; MNIST-LT IF=100, 50 rounds, per-round
-CCVR from every client, CReFF with 300 re-training steps at lr 0.1 from the aggregated head,
-exact gradients; benchmarks/results-creff-vs-ccvr.txt): CReFF 0.851, CCVR 0.905; gradient-
-matched features were worse than Gaussian or real ones on the few-shot classes. The paper's
-comparison (post-hoc CCVR, the reference's CReFF) is benchmarks/results-creff-vs-ccvr-paper.txt.
+Measured as the paper compares (issue 45; MNIST-LT, IF 10 / 50 / 100, 100 rounds, seeds 0-2,
+post-hoc CCVR; benchmarks/results-creff-vs-ccvr-paper.txt): final accuracy FedAvg 94.4 / 89.6 /
+86.5, CCVR 95.6 / 92.5 / 90.3, CReFF 91.0 / 86.5 / 81.0: CReFF has the best few-shot and the
+worst many-shot accuracy. The cause, measured (benchmarks/creff_features.py): the federated
+features are under-matched; re-trained on, they give 3-6 points less than the real features
+or CCVR's Gaussians at the same state, 2,000 more matching steps close most of the gap, and
+`match_steps=1000` reaches FedAvg at IF 10 (94.9). `gradient=exact` helps at IF 10 and hurts
+the few-shot classes at IF 100.
 Reference: shangxinyi/CReFF-FL, main.py (Global.update_feature_syn, feature_re_train,
 Local.compute_gradient) and Dataset/Gradient_matching_loss.py.
 """
