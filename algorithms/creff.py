@@ -47,8 +47,8 @@ post-hoc CCVR; benchmarks/results-creff-vs-ccvr-paper.txt): final accuracy FedAv
 worst many-shot accuracy. The cause, measured (benchmarks/creff_features.py): the federated
 features are under-matched; re-trained on, they give 3-6 points less than the real features
 or CCVR's Gaussians at the same state, 2,000 more matching steps close most of the gap, and
-`match_steps=1000` reaches FedAvg at IF 10 (94.9). `gradient=exact` helps at IF 10 and hurts
-the few-shot classes at IF 100.
+`match_steps=1000` reaches FedAvg at IF 10 (94.8) and passes it at IF 100 (88.8 vs 85.3; seed 0),
+still below CCVR. `gradient=exact` helps at IF 10 and hurts the few-shot classes at IF 100.
 Reference: shangxinyi/CReFF-FL, main.py (Global.update_feature_syn, feature_re_train,
 Local.compute_gradient) and Dataset/Gradient_matching_loss.py.
 """

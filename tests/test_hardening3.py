@@ -98,12 +98,16 @@ def test_every_loaders_labels_are_checked_a_plugins_leafs_and_hf(tmp_path):
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_tracker_that_cannot_open_is_one_line_and_leaves_no_run_directory(tmp_path):
+def test_a_tracker_that_cannot_open_is_one_line_and_leaves_no_run_directory(ray_local, tmp_path, capfd):
+    """Through the CLI's entry point on the session's Ray (the same path as a subprocess, less
+    a Ray start)."""
     pytest.importorskip("mlflow")
-    r = cli([*SMALL, "log.mlflow=true", "log.mlflow_uri=bogus://x", f"output_dir={tmp_path / 'out'}", "run_name=t"],
-            tmp_path)
-    line = one_error_line(r)
-    assert "log.mlflow=true: the tracker did not open" in line and "bogus://x" in line, line
+    from raysim.run import main
+
+    code = main([*SMALL, "log.mlflow=true", "log.mlflow_uri=bogus://x", f"output_dir={tmp_path / 'out'}", "run_name=t"])
+    err = [line for line in capfd.readouterr().err.strip().splitlines() if not line.startswith("raysim [")]
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "log.mlflow=true: the tracker did not open" in err[0] and "bogus://x" in err[0], err[0]
     assert not (tmp_path / "out" / "t").exists()
 
 
@@ -127,13 +131,14 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_a_line_in_the_log(tmp_path
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_accuracy"] == 0.5
 
 
-def test_zero_cpus_per_actor_is_bounded_and_the_log_says_why(tmp_path):
-    r = cli([*SMALL, "num_clients=12", "resources.num_cpus_per_actor=0", f"output_dir={tmp_path}", "run_name=z"],
-            tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_zero_cpus_per_actor_is_bounded_and_the_log_says_why(ray_local, tmp_path):
+    """On the session's Ray (4 CPUs): 12 clients get 4 actors, not 12, and the log says why."""
+    from raysim.run import main
+
+    assert main([*SMALL, "num_clients=12", "resources.num_cpus_per_actor=0", f"output_dir={tmp_path}",
+                 "run_name=z"]) == 0
     line = next(l for l in (tmp_path / "z" / "log.txt").read_text().splitlines() if "client actors" in l)
-    cpus = os.cpu_count()
-    assert f"{min(12, cpus)} client actors" in line and "num_cpus_per_actor=0 bounds nothing" in line, line
+    assert line.split(" ", 1)[1].startswith("4 client actors") and "num_cpus_per_actor=0 bounds nothing" in line, line
 
 
 def test_a_warm_service_of_another_version_is_one_line(tmp_path):
