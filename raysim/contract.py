@@ -3,7 +3,8 @@
 An algorithm is one class with a server half and a client half:
 
 - server half (runs in the server actor): `setup(server)` once, then `run_round(rnd,
-  server)` each round, then `after_training(server)` once (a post-hoc step; default none). The default `run_round` is the FedAvg shape:
+  server)` each round, then `after_training(server)` once (a post-hoc step; default none).
+  The default `run_round` is the FedAvg shape:
   select -> `broadcast` -> `client_update` on each chosen client -> `aggregate`.
   An algorithm with stages, several models or extra uploads overrides `run_round` (or
   `setup`) and uses the same two runtime calls, `server.select_clients` and

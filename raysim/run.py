@@ -177,10 +177,11 @@ def _main(args, say, t_start: float) -> int:
         on_clients = (f"; on the clients' test data {local:.4f}, best {summary['best_local_accuracy']:.4f}"
                       if local is not None else "")
         after = summary.get("after_training")  # a post-hoc step (CCVR's calibration) made the final model
-        best = (f"{next(iter(after))} after training; the rounds' best {summary['best_accuracy']:.4f}" if after
-                else f"best {summary['best_accuracy']:.4f}")
-        print(f"final accuracy {acc:.4f} ({best}){on_clients}, {summary['wall_seconds']:.1f} s"
-              if after else f"final accuracy {acc:.4f}, {best}{on_clients}, {summary['wall_seconds']:.1f} s")
+        best = f"best {summary['best_accuracy']:.4f}"
+        if after:
+            best = f"{next(iter(after))} after training; the rounds' {best}"
+        print(f"final accuracy {acc:.4f}{f' ({best})' if after else f', {best}'}{on_clients}, "
+              f"{summary['wall_seconds']:.1f} s")
     print(f"results: {summary['run_dir']}")
     return 0
 

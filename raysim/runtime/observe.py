@@ -7,31 +7,32 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
-# Every metric raysim exports, as Prometheus names it (Ray adds `ray_`, counters `_total`):
-# the Grafana dashboard (raysim/grafana_dashboard.json) is checked against this list.
-EXPORTED = ("ray_raysim_rounds_done_total", "ray_raysim_client_updates_total", "ray_raysim_clients_dropped_total",
-            "ray_raysim_bytes_down_total", "ray_raysim_bytes_up_total", "ray_raysim_round_seconds", "ray_raysim_round",
-            "ray_raysim_accuracy", "ray_raysim_loss", "ray_raysim_actor_client_updates_total")
+# attribute: (kind, name, description, tag keys): every metric raysim exports
+METRICS = {
+    "rounds": (Counter, "raysim_rounds_done", "Rounds completed", ("run",)),
+    "updates": (Counter, "raysim_client_updates", "Client updates received", ("run",)),
+    "dropped": (Counter, "raysim_clients_dropped", "Selected clients that returned nothing (dropout or a dead "
+                "client actor)", ("run",)),
+    "bytes_down": (Counter, "raysim_bytes_down", "Bytes sent to clients", ("run",)),
+    "bytes_up": (Counter, "raysim_bytes_up", "Bytes received from clients", ("run",)),
+    "round_seconds": (Gauge, "raysim_round_seconds", "Duration of the last round, evaluation included", ("run",)),
+    "round": (Gauge, "raysim_round", "The last round completed", ("run",)),
+    "accuracy": (Gauge, "raysim_accuracy", "Accuracy at the last evaluation", ("run",)),
+    "loss": (Gauge, "raysim_loss", "Test loss at the last evaluation", ("run",)),
+    "actor_updates": (Counter, "raysim_actor_client_updates", "Client calls a client actor returned (its "
+                      "throughput: rate of this by actor)", ("run", "actor")),
+}
+# as Prometheus names them (Ray adds `ray_`, counters `_total`): the Grafana dashboard
+# (raysim/grafana_dashboard.json) is checked against these
+EXPORTED = tuple(f"ray_{name}{'_total' if kind is Counter else ''}" for kind, name, _, _ in METRICS.values())
 
 
 class RayMetrics:
     def __init__(self, run: str):
         # Ray's metric tags must be ASCII; a run name need not be (run_name=é): escape it here
         self.tags = {"run": run.encode("ascii", "backslashreplace").decode("ascii")}
-        keys = ("run",)
-        self.rounds = Counter("raysim_rounds_done", "Rounds completed", tag_keys=keys)
-        self.updates = Counter("raysim_client_updates", "Client updates received", tag_keys=keys)
-        self.dropped = Counter("raysim_clients_dropped", "Selected clients that returned nothing "
-                               "(dropout or a dead client actor)", tag_keys=keys)
-        self.bytes_down = Counter("raysim_bytes_down", "Bytes sent to clients", tag_keys=keys)
-        self.bytes_up = Counter("raysim_bytes_up", "Bytes received from clients", tag_keys=keys)
-        self.round_seconds = Gauge("raysim_round_seconds", "Duration of the last round, evaluation included",
-                                   tag_keys=keys)
-        self.round = Gauge("raysim_round", "The last round completed", tag_keys=keys)
-        self.accuracy = Gauge("raysim_accuracy", "Accuracy at the last evaluation", tag_keys=keys)
-        self.loss = Gauge("raysim_loss", "Test loss at the last evaluation", tag_keys=keys)
-        self.actor_updates = Counter("raysim_actor_client_updates", "Client calls a client actor returned "
-                                     "(its throughput: rate of this by actor)", tag_keys=("run", "actor"))
+        for attr, (kind, name, description, keys) in METRICS.items():
+            setattr(self, attr, kind(name, description, tag_keys=keys))
 
     def record(self, row: dict) -> None:
         """One round's metrics row (see FederatedServer.step)."""

@@ -306,7 +306,7 @@ class FederatedServer:
     # ------------------------------------------------------------------ the end
     def finish(self) -> dict:
         summary = {**self.record.summary(), "status": "finished"}
-        summary.update(self._after_training())
+        summary.update(self._after_training(summary["final_accuracy"]))
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
         for info in self.dispatch.actor_info():
@@ -321,7 +321,7 @@ class FederatedServer:
         self.dispatch.release()
         return summary
 
-    def _after_training(self) -> dict:
+    def _after_training(self, last_round_accuracy: Optional[float]) -> dict:
         """The algorithm's post-hoc step (`Algorithm.after_training`, e.g. CCVR's calibration),
         its models evaluated on the test set: summary fields. The first model's accuracy is
         the run's `final_accuracy` (and shot groups); the last round's is kept beside it."""
@@ -335,7 +335,7 @@ class FederatedServer:
         if self.cfg.eval.tau_norm:
             models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
         self._check_finite(rnd, {}, models)
-        out: dict = {"final_round_accuracy": self.record.summary()["final_accuracy"], "after_training": {}}
+        out: dict = {"final_round_accuracy": last_round_accuracy, "after_training": {}}
         for i, (name, model) in enumerate(models.items()):
             ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
             out["after_training"][name] = {"accuracy": ev["accuracy"], "loss": ev["loss"],
@@ -346,9 +346,9 @@ class FederatedServer:
                     out.update({f"final_{k}": v for k, v in
                                 shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots).items()})
         first = next(iter(models))
-        last = out["final_round_accuracy"]
-        self.record.log(f"after training: {first} accuracy={out['final_accuracy']:.4f} (the last round's: "
-                        f"{'-' if last is None else f'{last:.4f}'}), {time.time() - t0:.2f} s")
+        last = "-" if last_round_accuracy is None else f"{last_round_accuracy:.4f}"
+        self.record.log(f"after training: {first} accuracy={out['final_accuracy']:.4f} (the last round's: {last}), "
+                        f"{time.time() - t0:.2f} s")
         return out
 
     def state_bytes(self) -> dict:
