@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional
 
 from raysim.aggregation import ServerRule
 from raysim.aggregation.optimizers import ServerOptimizer
-from raysim.contract import Algorithm, Client, ClientResult, Server
+from raysim.contract import Algorithm, Client, ClientResult, CohortResult, Server
 from raysim.privacy.central import CentralDP
 from raysim.registry import ALGORITHMS
 from raysim.training import base_loss, base_sample_loss, cpu_state, local_sgd, parameter_names
@@ -72,15 +72,15 @@ class FedAvg(Algorithm):
         stats = local_sgd(client, model, self.local_loss(client, payload))
         return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
 
-    def client_update_cohort(self, clients: list[Client], payload: dict) -> list[ClientResult]:
+    def client_update_cohort(self, clients: list[Client], payload: dict) -> CohortResult:
         return self.train_cohort(clients, payload)
 
     def train_cohort(self, clients: list[Client], payload: dict, sample_loss: Optional[Callable] = None,
-                     penalty: Optional[Callable] = None) -> list[ClientResult]:
+                     penalty: Optional[Callable] = None) -> CohortResult:
         """FedAvg's client update for a group of clients at once (raysim/vectorized.py), with
-        a per-sample loss (default: `base_loss`'s) and a penalty on the weights (FedProx)."""
-        from raysim.vectorized import cohort_sgd
+        a per-sample loss (default: `base_loss`'s) and a penalty on the weights (FedProx).
+        The models stay stacked: the runtime sums them where they trained."""
+        from raysim.vectorized import cohort_result, cohort_sgd
 
         loss = sample_loss or base_sample_loss(clients[0].cfg.local)
-        states, stats = cohort_sgd(clients, clients[0].model, payload["weights"], loss, penalty=penalty)
-        return [ClientResult(c.cid, c.num_samples, s, st) for c, s, st in zip(clients, states, stats)]
+        return cohort_result(clients, *cohort_sgd(clients, clients[0].model, payload["weights"], loss, penalty=penalty))

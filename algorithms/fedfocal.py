@@ -26,5 +26,5 @@ class FedFocal(FedAvg):
     def local_loss(self, client: Client, payload: dict):
         return focal_loss(float(self.cfg.fedfocal.gamma))
 
-    def client_update_cohort(self, clients: list[Client], payload: dict) -> list:
+    def client_update_cohort(self, clients: list[Client], payload: dict):
         return self.train_cohort(clients, payload, sample_loss=focal_per_sample(float(self.cfg.fedfocal.gamma)))

@@ -37,7 +37,7 @@ class FedProx(FedAvg):
         global_params = [payload["weights"][n].to(client.device) for n in names]
         return proximal_loss(float(self.cfg.fedprox.mu), global_params, base_loss(client.cfg.local))
 
-    def client_update_cohort(self, clients: list[Client], payload: dict) -> list:
+    def client_update_cohort(self, clients: list[Client], payload: dict):
         mu = float(self.cfg.fedprox.mu)
         device = clients[0].device
         names = [n for n, p in clients[0].model.named_parameters() if p.requires_grad]

@@ -125,13 +125,14 @@ class Scaffold(FedAvg):
     def client_update_cohort(self, clients: list[Client], payload: dict) -> list[ClientResult]:
         """The same for a group of clients at once (raysim/vectorized.py): client k's
         correction c - c_k is its row of the stacked shift."""
-        from raysim.vectorized import cohort_sgd
+        from raysim.vectorized import cohort_sgd, per_client
 
         c_is = [self.variate(client, payload) for client in clients]
         shift = {k: torch.stack([payload["c"][k] - c_i[k] for c_i in c_is]).to(clients[0].device) for k in payload["c"]}
         on_weights = self.cfg.scaffold.correction == "weights"
-        states, stats = cohort_sgd(clients, clients[0].model, payload["weights"], base_sample_loss(clients[0].cfg.local),
-                                   gradient_shift=None if on_weights else shift, weight_shift=shift if on_weights else None)
+        stacked, stats = cohort_sgd(clients, clients[0].model, payload["weights"], base_sample_loss(clients[0].cfg.local),
+                                    gradient_shift=None if on_weights else shift, weight_shift=shift if on_weights else None)
+        states = per_client(stacked)  # SCAFFOLD's upload is per client (dy, dc): cut the stack
         return [self.result(*args) for args in zip(clients, [payload] * len(clients), c_is, states, stats)]
 
     @staticmethod

@@ -41,18 +41,24 @@ class Adversaries:
         self.cfg = cfg.attack
         self.seed = int(cfg.seed)
         self.who = attackers(cfg, num_clients)
+        self.start = int(self.cfg.start)  # read once: asked per client per round (an OmegaConf lookup is ~25 us)
+        self.model_attack = self.cfg.kind in MODEL_ATTACKS
 
     def attacking(self, cid: int, rnd: int, method: str) -> bool:
-        return method == "client_update" and rnd >= int(self.cfg.start) and cid in self.who
+        return cid in self.who and method == "client_update" and rnd >= self.start
+
+    def changes_model(self, cid: int, rnd: int, method: str) -> bool:
+        """Whether `after` changes this client's returned model (a model attack on an attacker)."""
+        return self.model_attack and self.attacking(cid, rnd, method)
 
     def before(self, client, rnd: int, method: str) -> None:
         """label_flip: the client's labels, flipped, for this call."""
-        if self.cfg.kind == "label_flip" and self.attacking(client.cid, rnd, method):
+        if self.attacking(client.cid, rnd, method) and self.cfg.kind == "label_flip":
             client.y = client.num_classes - 1 - client.y
 
     def after(self, client, payload, result, rnd: int, method: str):
         """A model attack: the returned model's trainable parameters, changed (module docstring)."""
-        if self.cfg.kind not in MODEL_ATTACKS or not self.attacking(client.cid, rnd, method):
+        if not self.changes_model(client.cid, rnd, method):
             return result
         sent, trained = payload["weights"], result.update
         g = torch.Generator().manual_seed(seed_for(self.seed, rnd, client.cid, 8))

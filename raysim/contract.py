@@ -44,6 +44,29 @@ class ClientResult:
 
 
 @dataclass
+class CohortResult:
+    """A vectorised group's results kept stacked (`client_update_cohort` may return it instead
+    of a list of `ClientResult`s): `update` maps each state-dict key to a tensor whose leading
+    dimension is the client, on the device the group trained on; `cids`, `num_samples` and
+    `metrics` are per client. Where the run folds its clients' models by the plain weighted
+    mean the runtime sends it as one float64 sum made there (`training.stacked_sum`);
+    otherwise it is cut into one `ClientResult` per client (`split`)."""
+
+    cids: list
+    num_samples: list
+    update: dict
+    metrics: list
+
+    def split(self, updates: bool = True) -> list[ClientResult]:
+        """One `ClientResult` per client (its update on the CPU; None with `updates=False`)."""
+        if not updates:
+            return [ClientResult(c, n, None, m) for c, n, m in zip(self.cids, self.num_samples, self.metrics)]
+        cpu = {k: v.cpu() for k, v in self.update.items()}
+        return [ClientResult(c, n, {k: v[i].clone() for k, v in cpu.items()}, m)
+                for i, (c, n, m) in enumerate(zip(self.cids, self.num_samples, self.metrics))]
+
+
+@dataclass
 class Client:
     """One simulated client as its client-side code sees it inside an actor."""
 

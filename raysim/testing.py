@@ -14,8 +14,9 @@ it (`training.new_client`: seeded from (seed, round, client id)), on separate in
 the algorithm and selection (the client half sees nothing of the server's state but the
 payload, which it gets as a copy, as over the wire); results come back in client-id order
 and as copies; stateful clients keep `client.state` between rounds; `local.vectorize`
-trains consecutive groups with `client_update_cohort`; `server.partial_sums` folds blocks of
-results as client actors do. What a run adds on top, the
+trains consecutive groups with `client_update_cohort` (summed per group where the run folds by
+the plain mean, as client actors do); `server.partial_sums` folds blocks of results as client
+actors do. What a run adds on top, the
 runtime's and not an algorithm's business, is left out: dropout, stragglers, faults,
 checkpoints, augmentation and the run directory. `calls` lists every call made, for tests.
 """
@@ -26,13 +27,13 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from raysim.contract import ClientResult
+from raysim.contract import ClientResult, CohortResult
 from raysim.attacks import Adversaries
-from raysim.config import clients_per_round
+from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability
 from raysim.runtime.wire import pack, unpack
-from raysim.training import evaluate, new_client, partial_sum
+from raysim.training import evaluate, new_client, partial_sum, stack_updates, stacked_sum
 
 
 class InProcessServer:
@@ -98,6 +99,7 @@ class InProcessServer:
         self.calls.append((rnd, method, cids))
         wire = pack(payload)
         vector = int(self.cfg.local.vectorize_group) if method == "client_update" and self.cfg.local.vectorize else 0
+        block = sum_block(self.cfg) if method == "client_update" else 0  # results summed per block, as actors do
         groups = [cids[i:i + vector] for i in range(0, len(cids), vector)] if vector else [[c] for c in cids]
         results = []
         for group in groups:
@@ -109,6 +111,12 @@ class InProcessServer:
                 done = plugin.client_update_cohort(clients, received)
             else:
                 done = [getattr(plugin, method)(clients[0], received)]
+            stacked = None
+            if isinstance(done, CohortResult):  # kept stacked where it is summed and no attack changes a model
+                each = not block or any(self.adversaries.changes_model(c.cid, rnd, method) for c in clients)
+                stacked = None if each else done.update
+                done = done.split(updates=each)
+            mine = []
             for client, result in zip(clients, done):
                 result = self.adversaries.after(client, received, result, rnd, method)
                 if plugin.client_state:
@@ -116,9 +124,11 @@ class InProcessServer:
                 elif client.state:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                        "client_state = True, so the state would be lost")
-                results.append(result)
-        block = int(self.cfg.server.partial_sums) if method == "client_update" else 0
-        if block:  # server.partial_sums: one sum per block of consecutive clients, as client actors make
+                mine.append(result)
+            if block and vector:  # a vectorised group's sum, as a client actor makes it
+                mine = [stacked_sum(stacked if stacked is not None else stack_updates([r.update for r in mine]), mine)]
+            results.extend(mine)
+        if block and not vector:  # server.partial_sums: one sum per block of consecutive clients, as client actors make
             results = [partial_sum(results[i:i + block]) for i in range(0, len(results), block)]
         return iter([unpack(pack(r)) for r in results])  # copies, as over the wire
 

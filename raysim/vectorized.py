@@ -20,10 +20,17 @@ matmuls (`stacked_forward`). Either way:
   would give the same, but it imports torch._dynamo: ~120 MB more in every actor.)
 
 Results equal the sequential path up to float rounding (a batch's loss is a masked sum
-over a count instead of a mean, and batched kernels add in another order); tested for
-FedAvg, FedProx and SCAFFOLD. A group's result depends only on its clients, and groups
-are cut from the sorted cohort by client id (`runtime.placement.plan`), never by actor, so any
-number of actors gives the same bits.
+over a count instead of a mean, cross-entropy is taken through logsumexp, and batched
+kernels add in another order); tested for FedAvg, FedProx and SCAFFOLD. A group's result
+depends only on its clients, and groups are cut from the sorted cohort by client id
+(`runtime.placement.plan`), never by actor, so any number of actors gives the same bits.
+
+What is around the arithmetic is batched too (issue 41: on a GPU the per-client parts left
+it mostly idle): the client actor gathers and decodes a group's samples once (`Cohort`),
+the trained weights stay stacked (`CohortResult`, on the device), and when the run folds
+its clients' models by the plain weighted mean the group is sent as one float64 sum made
+where it trained (`training.stacked_sum`); per-client state dicts are cut only for an
+algorithm or an attack that needs each one.
 
 Not supported, refused when the config is checked: models with buffers (BatchNorm's
 running statistics are updated in place, which vmap cannot do per client) and batch
@@ -35,7 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
-from raysim.contract import Client
+from raysim.contract import Client, CohortResult
 from raysim.training import round_lr
 
 SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample
@@ -82,93 +89,143 @@ def stacked_forward(model: torch.nn.Module) -> Optional[Callable[[dict, torch.Te
     return forward
 
 
-def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator) -> torch.Tensor:
+class Cohort(list):
+    """A vectorised group's clients in client-id order, with all their samples as one tensor
+    each (`x`, `y`: client after client; each client's own `x` and `y` are views of them).
+    The client actor builds it with one gather and one decode for the group instead of one
+    per client; `cohort_sgd` takes a plain list too (it concatenates the clients' data)."""
+
+    def __init__(self, clients: list[Client], x: torch.Tensor, y: torch.Tensor):
+        super().__init__(clients)
+        self.x, self.y = x, y
+
+
+def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The index batches `training.local_sgd` draws for a client with n samples (a new
     permutation per epoch; `steps` > 0 steps instead of `epochs` epochs), as a [steps,
-    batch_size] tensor whose short last batches are padded with -1."""
+    batch_size] tensor whose short last batches are padded with -1. `out`: a [>= steps,
+    batch_size] tensor filled with -1 to write them into (rows past the client's steps stay -1)."""
     per_epoch = -(-n // batch_size)
     n_epochs = -(-steps // per_epoch) if steps else epochs
-    pad = per_epoch * batch_size - n
-    rows = [torch.nn.functional.pad(torch.randperm(n, generator=generator), (0, pad), value=-1).view(per_epoch, batch_size)
-            for _ in range(n_epochs)]
-    out = torch.cat(rows)
-    return out[:steps] if steps else out
+    n_steps = min(steps, n_epochs * per_epoch) if steps else n_epochs * per_epoch
+    if out is None:
+        out = torch.full((n_steps, batch_size), -1, dtype=torch.long)
+    flat = out.view(-1)
+    for e in range(n_epochs):
+        at = e * per_epoch * batch_size
+        room = n_steps * batch_size - at
+        perm = torch.randperm(n, generator=generator)  # drawn whole, as local_sgd draws it, even where cut short
+        flat[at:at + min(n, room)] = perm[:room]
+    return out[:n_steps]
+
+
+def stack_batches(clients: list[Client], batch_size: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every client's batches as rows into the group's samples: index [T, G, B] (padding points
+    at a real sample) and weight [T, G, B] (1 a sample, 0 padding), on the clients' device;
+    and each client's number of steps."""
+    g = len(clients)
+    per = [(c.num_samples, -(-c.num_samples // batch_size)) for c in clients]
+    n_steps = [steps or c.epochs * pe for c, (_, pe) in zip(clients, per)]
+    index = torch.full((g, max(n_steps), batch_size), -1, dtype=torch.long)
+    for k, c in enumerate(clients):
+        batch_schedule(c.num_samples, batch_size, c.epochs, steps, c.generator, out=index[k])
+    weight = (index >= 0).float()
+    offsets = torch.tensor([0] + [n for n, _ in per[:-1]]).cumsum(0)
+    index = torch.where(index >= 0, index, 0) + offsets[:, None, None]
+    device = clients[0].device
+    return index.transpose(0, 1).contiguous().to(device), weight.transpose(0, 1).contiguous().to(device), n_steps
+
+
+def stacked_sgd(model: torch.nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                index: torch.Tensor, weight: torch.Tensor, sample_loss: SampleLoss, lr: float, momentum: float = 0.0,
+                weight_decay: float = 0.0, penalty: Optional[Callable[[dict], torch.Tensor]] = None,
+                gradient_shift: Optional[dict[str, torch.Tensor]] = None,
+                weight_shift: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    """The arithmetic alone: SGD steps on G clients' stacked trainable weights `params`
+    ({name: [G, ...]}, updated in place), step t of client k on the samples
+    x[index[t, k]] weighted by weight[t, k]; a client with no sample in a step is masked.
+    Returns each client's training loss summed over its samples (float64, [G])."""
+    from torch.func import functional_call, vmap
+
+    g, bs = index.shape[1], index.shape[2]
+    names = list(params)
+    forward = stacked_forward(model) or vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    penalties = vmap(penalty) if penalty is not None else None
+    samples = weight.sum(2)  # [T, G]
+    active = (samples > 0).to(weight.dtype)
+    counts = samples.clamp(min=1.0)
+    samples = samples.double()
+    shapes = {n: (g,) + (1,) * (p.dim() - 1) for n, p in params.items()}
+    buffers: dict[str, torch.Tensor] = {}
+    total = torch.zeros(g, dtype=torch.float64, device=x.device)
+    model.train()
+    for t in range(index.shape[0]):
+        rows, wb = index[t].view(-1), weight[t]
+        xb = x.index_select(0, rows).view(g, bs, *x.shape[1:])  # index_select: ~5x faster than x[rows] on CPU
+        logits = forward(params, xb)
+        per_sample = sample_loss(logits.flatten(0, 1), y.index_select(0, rows)).view(g, bs)
+        losses = (per_sample * wb).sum(1) / counts[t]
+        if penalties is not None:
+            losses = losses + penalties(params)
+        grads = torch.autograd.grad(losses.sum(), [params[n] for n in names])
+        with torch.no_grad():
+            total += losses.detach().double() * samples[t]  # the penalty counts in the reported loss, as local_sgd's
+            step = active[t]
+            for n, grad in zip(names, grads):
+                p = params[n]
+                if gradient_shift is not None:
+                    grad = grad + gradient_shift[n]
+                if weight_decay:
+                    grad = grad.add(p, alpha=weight_decay)
+                if momentum:
+                    buf = buffers.get(n)
+                    buf = buffers[n] = torch.clone(grad) if buf is None else buf.mul_(momentum).add_(grad)
+                    grad = buf
+                p.add_(grad * step.view(shapes[n]), alpha=-lr)
+                if weight_shift is not None:
+                    p.add_(weight_shift[n] * step.view(shapes[n]), alpha=-lr)
+    return total
 
 
 def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict, sample_loss: SampleLoss,
                penalty: Optional[Callable[[dict], torch.Tensor]] = None,
                gradient_shift: Optional[dict[str, torch.Tensor]] = None,
-               weight_shift: Optional[dict[str, torch.Tensor]] = None) -> tuple[list[dict], list[dict]]:
+               weight_shift: Optional[dict[str, torch.Tensor]] = None) -> tuple[dict, list[dict]]:
     """Local SGD per `cfg.local` for every client in `clients` at once, on copies of `model`'s
     structure, every client starting from the weights `start` (a state dict). `penalty(params)`: added to a client's batch loss (FedProx's proximal term; under
     vmap, `params` are that client's weights). `gradient_shift[name]` ([G, ...]) is added to
     client k's gradient before the optimizer's step; `weight_shift[name]` ([G, ...]) is
     subtracted, times lr, from its weights after each step (SCAFFOLD's two readings).
-    Returns each client's final state dict (CPU) and stats {"loss", "steps", "lr"}, as
-    `local_sgd` does."""
-    from torch.func import functional_call, vmap
-
+    Returns the clients' final state dicts stacked ({name: [G, ...]}, on the clients'
+    device; entries that do not train as they started) and each client's stats {"loss",
+    "steps", "lr"}, as `local_sgd` returns them."""
     loc = clients[0].cfg.local
     device, g = clients[0].device, len(clients)
     lr = round_lr(loc, clients[0].round)
-    momentum, decay, bs, steps = float(loc.momentum), float(loc.weight_decay), int(loc.batch_size), int(loc.steps)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: start[n].to(device).expand(g, *start[n].shape).clone().requires_grad_() for n in trainable}
+    x, y = getattr(clients, "x", None), getattr(clients, "y", None)
+    if x is None:  # a plain list: the group's samples, client after client
+        x, y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
+    index, weight, n_steps = stack_batches(clients, int(loc.batch_size), int(loc.steps))
+    total = stacked_sgd(model, params, x, y, index, weight, sample_loss, lr, float(loc.momentum),
+                        float(loc.weight_decay), penalty, gradient_shift, weight_shift)
+    state = {n: (params[n].detach() if n in params else v.to(device).expand(g, *v.shape))
+             for n, v in start.items()}  # non-trainable entries: as they started
+    counts = weight.sum((0, 2)).double().clamp(min=1.0)
+    losses = (total / counts).tolist()
+    return state, [{"loss": loss, "steps": s, "lr": lr} for loss, s in zip(losses, n_steps)]
 
-    # every client's batches, as rows of one tensor holding all the group's samples
-    x = torch.cat([c.x for c in clients])
-    y = torch.cat([c.y for c in clients])
-    offsets = torch.tensor([0] + [c.num_samples for c in clients]).cumsum(0).tolist()
-    schedules = [batch_schedule(c.num_samples, bs, c.epochs, steps, c.generator) for c in clients]
-    n_steps = [len(s) for s in schedules]
-    t_max = max(n_steps)
-    index = torch.full((g, t_max, bs), -1, dtype=torch.long)
-    for k, sched in enumerate(schedules):
-        index[k, :len(sched)] = sched
-    weight = (index >= 0).float()
-    index = torch.where(index >= 0, index, 0) + torch.tensor(offsets[:-1])[:, None, None]  # padding: a real sample, weighted 0
-    index, weight = index.transpose(0, 1).contiguous().to(device), weight.transpose(0, 1).contiguous().to(device)
 
-    forward = stacked_forward(model) or vmap(lambda p, xb: functional_call(model, p, (xb,)))
-    penalties = vmap(penalty) if penalty is not None else None
+def per_client(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Stacked state dicts ({name: [G, ...]}) cut into G state dicts on the CPU (one transfer
+    per entry; each client's own copy)."""
+    cpu = {n: v.cpu() for n, v in state.items()}
+    g = next(iter(cpu.values())).shape[0]
+    return [{n: v[k].clone() for n, v in cpu.items()} for k in range(g)]
 
-    def client_losses(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each client's loss on its batch: [G]."""
-        logits = forward(params, xb)
-        per_sample = sample_loss(logits.flatten(0, 1), yb.flatten()).view(wb.shape)
-        losses = (per_sample * wb).sum(1) / counts.clamp(min=1.0)
-        return losses + penalties(params) if penalties is not None else losses
 
-    buffers: dict[str, torch.Tensor] = {}
-    total = torch.zeros(g, dtype=torch.float64, device=device)
-    model.train()
-    for t in range(t_max):
-        wb = weight[t]
-        counts = wb.sum(1)
-        active = (counts > 0).to(wb.dtype)
-        losses = client_losses(x[index[t]], y[index[t]], wb, counts)
-        grads = torch.autograd.grad(losses.sum(), [params[n] for n in trainable])
-        with torch.no_grad():
-            total += losses.detach().double() * counts.double()
-            for n, grad in zip(trainable, grads):
-                p = params[n]
-                shape = (g,) + (1,) * (p.dim() - 1)
-                if gradient_shift is not None:
-                    grad = grad + gradient_shift[n]
-                if decay:
-                    grad = grad.add(p, alpha=decay)
-                if momentum:
-                    buf = buffers.get(n)
-                    buf = buffers[n] = torch.clone(grad) if buf is None else buf.mul_(momentum).add_(grad)
-                    grad = buf
-                p.add_(grad * active.view(shape), alpha=-lr)
-                if weight_shift is not None:
-                    p.add_(weight_shift[n] * active.view(shape), alpha=-lr)
-    states, stats = [], []
-    final = {n: p.detach().cpu() for n, p in params.items()}
-    frozen = [n for n in model.state_dict() if n not in params]  # non-trainable: as they started
-    for k in range(g):
-        states.append({**{n: final[n][k].clone() for n in final}, **{n: start[n].to("cpu", copy=True) for n in frozen}})
-        count = int(weight[:, k].sum())
-        stats.append({"loss": float(total[k]) / max(count, 1), "steps": n_steps[k], "lr": lr})
-    return states, stats
+def cohort_result(clients: list[Client], state: dict[str, torch.Tensor], stats: list[dict]) -> CohortResult:
+    """A group's trained models, kept stacked (what FedAvg and the algorithms built on it return)."""
+    return CohortResult([c.cid for c in clients], [c.num_samples for c in clients], state, stats)

@@ -17,13 +17,13 @@ from raysim.config.layers import (
 from raysim.config.record import check_resumable, describe_diff, record_diff, run_record
 from raysim.config.schema import AUGMENTATIONS, Config, augmentation_name, clients_per_round, to_yaml
 from raysim.config.sections import plugin_sections, schema, section_of, used_sections
-from raysim.config.validate import validate
+from raysim.config.validate import sum_block, validate
 from raysim.errors import ConfigError
 
 __all__ = [
     "AUGMENTATIONS", "CONFIG_DIR", "Config", "ConfigError", "DEFAULT_YAML", "GROUPS", "Layers", "OVERRIDES",
     "augmentation_name", "check_resumable", "clients_per_round", "describe_diff", "describe_layers", "find_config",
     "load_config", "load_yaml", "parse_overrides", "plugin_names", "plugin_sections", "read_layers", "read_text_file",
-    "read_yaml", "record_diff", "resolve", "run_record", "schema", "section_of", "to_yaml", "used_sections",
+    "read_yaml", "record_diff", "resolve", "run_record", "schema", "section_of", "sum_block", "to_yaml", "used_sections",
     "validate",
 ]

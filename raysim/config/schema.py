@@ -208,6 +208,7 @@ class Config:
     rounds: int = 30
     local: LocalConfig = field(default_factory=LocalConfig)
     seed: int = 0
+    determinism: bool = True  # deterministic GPU kernels: the same bits on CUDA from run to run (runtime/determinism.py)
     eval_every: int = 1
     output_dir: str = "runs"
     run_name: Optional[str] = None  # default: <algorithm>-<dataset>-<timestamp>

@@ -207,11 +207,8 @@ def check_server(cfg: DictConfig, need) -> None:
     algorithm = registry.ALGORITHMS.get(cfg.algorithm)
     if sv.partial_sums:
         need(sv.partial_sums >= 1, f"server.partial_sums must be >= 0 (0: off; a block size), got {sv.partial_sums}")
-        need(sv.aggregator == "mean", f"server.partial_sums adds up the clients' models where they ran, which only the "
-                                      f"mean aggregator can use; server.aggregator={sv.aggregator} needs every model")
-        need(algorithm.returns_model and "aggregator" in algorithm.server_parts,
-             f"server.partial_sums: algorithm {cfg.algorithm!r} does not fold its clients' models by FedAvg's "
-             "weighted mean; it needs each client's result")
+        why = why_not_summed(cfg)
+        need(why is None, f"server.partial_sums: {why}")
         need(not cfg.local.vectorize or sv.partial_sums == cfg.local.vectorize_group,
              f"server.partial_sums={sv.partial_sums} with local.vectorize: the sums' blocks are the vectorised groups, "
              f"so set server.partial_sums=local.vectorize_group={cfg.local.vectorize_group}")
@@ -245,6 +242,31 @@ def check_attack(cfg: DictConfig, need) -> None:
         raise ConfigError(f"attack.kind={a.kind} changes the model a client returns, but algorithm {cfg.algorithm!r} "
                           f"returns something else; label_flip works with every algorithm; model attacks with: "
                           f"{', '.join(takes)}")
+
+
+def why_not_summed(cfg: DictConfig) -> Optional[str]:
+    """Why the clients' results cannot be sent as sums made where they ran (None: they can):
+    only a run that folds its clients' models by the plain weighted mean can use them."""
+    sv, algorithm = cfg.server, registry.ALGORITHMS.get(cfg.algorithm)
+    if sv.aggregator != "mean":
+        return (f"sums made where the clients ran can feed only the mean aggregator; server.aggregator={sv.aggregator} "
+                "needs every model")
+    if not (algorithm.returns_model and "aggregator" in algorithm.server_parts):
+        return f"algorithm {cfg.algorithm!r} does not fold its clients' models by FedAvg's weighted mean; it needs each client's result"
+    if cfg.privacy.mode == "central":
+        return "privacy.mode=central clips each client's update, so it needs each one"
+    return None
+
+
+def sum_block(cfg: DictConfig) -> int:
+    """How many clients' training results a client actor sends as one sample-weighted sum (0:
+    each result): `server.partial_sums`, or, with `local.vectorize`, each vectorised group,
+    summed on the device it trained on, wherever the run folds models by the plain mean."""
+    if cfg.server.partial_sums:
+        return int(cfg.server.partial_sums)
+    if cfg.local.vectorize and why_not_summed(cfg) is None:
+        return int(cfg.local.vectorize_group)
+    return 0
 
 
 def check_secure_aggregation(cfg: DictConfig, need) -> None:

@@ -19,13 +19,15 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.attacks import Adversaries
-from raysim.contract import Client
+from raysim.contract import Client, CohortResult
 from raysim.config import augmentation_name
 from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
+from raysim.runtime import determinism
 from raysim.runtime.wire import pack, unpack
-from raysim.training import new_client, partial_sum
+from raysim.training import new_client, partial_sum, stack_updates, stacked_sum
+from raysim.vectorized import Cohort
 
 
 class DataNotAttached(RuntimeError):
@@ -39,6 +41,7 @@ class ClientRunner:
         """Starts before the data exists (the server loads it meanwhile): imports torch and
         warms it up. Everything of a run (config, plugins, data) comes with the run's first
         call, so the actor can serve later runs too (runtime/pool.py) and Ray can restart it."""
+        determinism.before_cuda()
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
@@ -51,6 +54,7 @@ class ClientRunner:
         and the scratch model. Runs on a run's first call to this actor, and again on the
         first call after Ray restarted it."""
         self.cfg = OmegaConf.create(cfg)
+        determinism.apply(self.cfg.determinism)  # before the run's first CUDA work in this actor
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = ray.get(data_refs)
@@ -95,15 +99,23 @@ class ClientRunner:
         payload = unpack(payload)
         results, new_states = [], []
         for part in _split(list(zip(cids, epochs, states)), blocks if vectorized else None):
-            part = [self._client(rnd, *args) for args in part]  # built just before training: seeds torch's RNG
+            # built just before training: each client seeds torch's RNG
+            part = self._cohort(rnd, part) if vectorized else [self._client(rnd, *part[0])]
             for client in part:
                 self.adversaries.before(client, rnd, method)
+            if vectorized and any(self.adversaries.attacking(c.cid, rnd, method) for c in part):
+                part.y = torch.cat([c.y for c in part])  # a label-flipping attacker's labels, in the group's too
             before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
             if vectorized:
                 done = plugin.client_update_cohort(part, payload)
             else:
                 done = [getattr(plugin, method)(part[0], payload)]
+            stacked = None
+            if isinstance(done, CohortResult):  # stacked models: each one is cut out only where it is needed
+                each = not sums or any(self.adversaries.changes_model(c.cid, rnd, method) for c in part)
+                stacked = None if each else done.update
+                done = done.split(updates=each)
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
                 result = self.adversaries.after(client, payload, result, rnd, method)
@@ -118,26 +130,47 @@ class ClientRunner:
                 if not stateful and client.state:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                        "client_state = True, so the state would be lost")
-        if sums:
+            if sums and vectorized:  # the group's sum, made here, on the device it trained on
+                mine = results[len(results) - len(part):]
+                update = stacked if stacked is not None else stack_updates([r.update for r in mine])
+                results[len(results) - len(part):] = [stacked_sum(update, mine)]
+        if sums and not vectorized:
             results = [partial_sum(block) for block in _split(results, blocks)]
         results = [pack(r) for r in results]
         out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
         return tuple(out) if len(out) > 1 else out[0]
 
-    def _client(self, rnd: int, cid: int, n_epochs: int, state) -> Client:
-        """Client `cid` in round `rnd`: its shard, its generator seeded from (seed, round, cid)."""
+    def _client(self, rnd: int, cid: int, n_epochs: int, state, x: Optional[torch.Tensor] = None,
+                y: Optional[torch.Tensor] = None) -> Client:
+        """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it), its
+        generator seeded from (seed, round, cid)."""
         if (rnd, cid) == self.crash:
             os._exit(1)  # injected fault: this worker process dies mid-round
-        idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
-        return new_client(self.cfg, rnd, cid, model_inputs(self.x[idx], *self.pixels), self.y[idx], self.num_classes,
-                          unpack(state) if state else {}, self.model, n_epochs, self.transform, self.seed)
+        if x is None:
+            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
+            x, y = model_inputs(self.x[idx], *self.pixels), self.y[idx]
+        return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
+                          n_epochs, self.transform, self.seed)
+
+    def _cohort(self, rnd: int, part: list[tuple]) -> Cohort:
+        """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
+        gathered and decoded once for the group; each client's shard a view of them."""
+        shards = [np.asarray(self.train_index[cid]) for cid, _, _ in part]
+        rows = torch.from_numpy(np.concatenate(shards)).to(self.device)
+        x, y = model_inputs(self.x[rows], *self.pixels), self.y[rows]
+        clients, at = [], 0
+        for (cid, n_epochs, state), shard in zip(part, shards):
+            clients.append(self._client(rnd, cid, n_epochs, state, x[at:at + len(shard)], y[at:at + len(shard)]))
+            at += len(shard)
+        return Cohort(clients, x, y)
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
         os._exit(1)
 
     def device_info(self) -> dict:
-        info = {"device": str(self.device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        info = {"device": str(self.device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                **determinism.settings()}
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info

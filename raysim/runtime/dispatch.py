@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import ray
 
+from raysim.config import sum_block
 from raysim.contract import ClientResult
 from raysim.runtime import placement, pool
 from raysim.runtime.client_actor import DataNotAttached
@@ -91,10 +92,10 @@ class Dispatch:
             self.record.log(f"round {rnd}: faults.crash_client={faults.crash_client} is not training "
                             "this round (not selected, or dropped out), so no actor crashes")
         vectorized = training and bool(self.cfg.local.vectorize)
-        sums = training and int(self.cfg.server.partial_sums) > 0
+        sums = training and sum_block(self.cfg) > 0  # a block's results come back as one sum
         # blocks of consecutive clients placed whole: vectorised groups, or partial sums' blocks
         # (one size for both: the config checks), so neither depends on the number of actors
-        block = int(self.cfg.local.vectorize_group) if vectorized else int(self.cfg.server.partial_sums) if sums else 0
+        block = int(self.cfg.local.vectorize_group) if vectorized else sum_block(self.cfg) if sums else 0
         for a, chunk, blocks in placement.plan(cids, work, self.n_actors, self.one_per_client, block):
             states = [self.states.get(c) for c in chunk] if stateful else []
             n_groups = -(-(len(blocks) if sums else len(chunk)) // group)

@@ -35,7 +35,7 @@ from raysim.errors import RunDiverged
 from raysim.preflight import run_dir_for
 from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
-from raysim.runtime import checkpoint, placement
+from raysim.runtime import checkpoint, determinism, placement
 from raysim.runtime.availability import Availability, SystemEffects
 from raysim.runtime.dispatch import Dispatch
 from raysim.privacy.secagg import SecureAggregation
@@ -57,6 +57,7 @@ class FederatedServer:
         run_dir, actors = started or (None, None)
         try:
             self.cfg = resolve(layers, cwd)
+            determinism.apply(self.cfg.determinism)  # the server's own torch work (evaluation, server-side training)
             self.ckpt = None
             if self.cfg.resume:
                 self.run_dir = Path(self.cfg.resume)
@@ -170,7 +171,7 @@ class FederatedServer:
         gives the results in client-id order; dropped clients are skipped."""
         cids = sorted(int(c) for c in cids)
         cohort = cids
-        epochs = {c: int(self.cfg.local.epochs) for c in cids}
+        epochs = dict.fromkeys(cids, int(self.cfg.local.epochs))
         if method == "client_update" and self.system.active:  # training calls only
             cids, epochs, dropped = self.system.apply(rnd, cids, epochs)
             for c in dropped:
@@ -309,9 +310,15 @@ class FederatedServer:
         summary.update(self._after_training(summary["final_accuracy"]))
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
+        devices: set[str] = set()
         for info in self.dispatch.actor_info():
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
+            devices.add(info["device"])
         summary["client_actor_nodes"] = nodes
+        # what the bits depend on: deterministic kernels, and where clients trained (a CUDA
+        # run and a CPU run of one config differ by float rounding: docs/guide.md)
+        summary["determinism"] = bool(self.cfg.determinism)
+        summary["client_devices"] = sorted(devices)
         if self.accountant is not None:
             a = self.accountant
             spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity

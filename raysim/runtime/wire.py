@@ -27,8 +27,14 @@ class Packed:
         return Packed, (self.array,)
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
 def _map(obj: Any, leaf) -> Any:
-    """Apply `leaf` to every leaf of a nest of dicts, lists, tuples and dataclasses."""
+    """Apply `leaf` to every leaf of a nest of dicts, lists, tuples and dataclasses (plain
+    numbers and strings pass as they are: a group's sum carries a line per client)."""
+    if type(obj) in _PLAIN:
+        return obj
     if isinstance(obj, dict):
         return {k: _map(v, leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -1,0 +1,44 @@
+"""Deterministic kernels (`determinism`, default true): what makes a CUDA run bit-identical.
+
+Seeds fix every random draw (raysim/seeds.py), but on a GPU the same draws still give other
+bits from run to run: cuDNN picks convolution algorithms by timing them (`benchmark`) and
+some of them, and some cuBLAS reductions, add in an order that varies. Measured on an H200
+(issue 41): two runs of the same command wrote different `model.pt` bits; with the three
+settings below in every process they were identical, and client training took 17-30 %
+longer. On CPU torch's kernels are deterministic already; the settings cost nothing there.
+
+`warn_only=True`: an op torch has no deterministic CUDA kernel for warns (in the actor's
+log) instead of stopping the run mid-way; raysim's own code uses none of them.
+"""
+from __future__ import annotations
+
+import os
+
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace (its docs' value); read when cuBLAS starts
+
+
+def before_cuda() -> None:
+    """In a fresh process, before its first CUDA work: cuBLAS reads its workspace setting
+    once, when it starts, so it is set whatever the run asks (it costs a few MB of GPU
+    memory and no time when `determinism=false`)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
+def apply(on: bool) -> None:
+    """Deterministic kernels on (`determinism=true`) or the fastest ones (cuDNN's autotuner,
+    nondeterministic algorithms allowed); can be switched between runs of one process."""
+    import torch
+
+    torch.use_deterministic_algorithms(bool(on), warn_only=True)
+    torch.backends.cudnn.deterministic = bool(on)
+    torch.backends.cudnn.benchmark = not on
+
+
+def settings() -> dict:
+    """The settings in force in this process, as tests and `device_info` report them."""
+    import torch
+
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
