@@ -1,0 +1,105 @@
+"""Issue 41's CPU half: deterministic kernels in every client actor (`determinism`), and
+vectorised groups sent as one float64 sum made where they trained, bit-identical whatever
+the number of actors, across resume, and equal to the in-process server's; algorithms and
+attacks that need each client's model still get it."""
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raysim.config import load_config
+from raysim.contract import ClientResult
+from raysim.run import main
+from raysim.testing import InProcessServer
+from raysim.training import pairwise_sum, partial_sum, stacked_sum
+import raysim.training as training
+
+
+def test_every_client_actor_trains_with_the_determinism_settings_unless_the_option_turns_them_off(ray_local,
+                                                                                                   tmp_path):
+    common = ["plugins=[determinism_probe]", "algorithm=test_determinism_probe", "dataset=digits", "num_clients=6",
+              "participation=1.0", "rounds=2", "resources.num_actors=2", f"output_dir={tmp_path}", "--quiet"]
+    for on in (True, False):
+        name = f"det-{on}"
+        assert main([*common, f"determinism={str(on).lower()}", f"run_name={name}"]) == 0
+        states = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["client_states"]
+        assert sorted(states) == list(range(6))
+        for s in states.values():  # [deterministic algorithms, cudnn.deterministic, cudnn.benchmark, cuBLAS workspace]
+            assert s["settings"].tolist() == [on, on, not on, True]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["determinism"] is on and summary["client_devices"] == ["cpu"]
+        assert f"determinism: {str(on).lower()}" in (tmp_path / name / "config.yaml").read_text()
+
+
+def test_a_group_sum_is_the_pairwise_sum_of_the_weighted_models_in_float64_however_it_is_chunked():
+    g = torch.Generator().manual_seed(0)
+    update = {"w": torch.randn(5, 7, 3, generator=g), "b": torch.randn(5, 3, generator=g),
+              "count": torch.tensor([3, 9, 1, 4, 2])}
+    results = [ClientResult(c, n, None, {"loss": float(c)}) for c, n in zip(range(10, 15), [4, 1, 7, 2, 9])]
+    n = torch.tensor([4.0, 1, 7, 2, 9], dtype=torch.float64)
+    summed = stacked_sum(update, results)
+    for k in ("w", "b"):
+        t = update[k].double() * n.view(-1, *[1] * (update[k].dim() - 1))
+        by_hand = ((t[0] + t[1]) + (t[2] + t[3])) + t[4]  # adjacent pairs, level by level, the odd one carried
+        assert torch.equal(summed.update[k], by_hand)
+        assert torch.equal(summed.update[k], pairwise_sum(t.clone()))
+    assert torch.equal(summed.update["count"], torch.tensor(9))  # integer entries: the largest, as WeightedMean
+    assert summed.num_samples == 23 and summed.cid == 10
+    assert summed.metrics["loss"] == pytest.approx(sum(c * w for c, w in zip(range(10, 15), [4, 1, 7, 2, 9])) / 23)
+    assert [c[0] for c in summed.clients] == list(range(10, 15))
+    old = training.SUM_CHUNK
+    try:
+        training.SUM_CHUNK = 7  # columns a few at a time: the same bits
+        chunked = stacked_sum(update, results)
+    finally:
+        training.SUM_CHUNK = old
+    assert all(torch.equal(chunked.update[k], summed.update[k]) for k in summed.update)
+    per_client = [ClientResult(r.cid, r.num_samples, {k: v[i] for k, v in update.items()}, r.metrics)
+                  for i, r in enumerate(results)]
+    sequential = partial_sum(per_client)  # the per-client path's fold: the same sum in another order
+    assert all(torch.allclose(sequential.update[k].double(), summed.update[k].double()) for k in summed.update)
+
+
+def _model(path):
+    return torch.load(path / "model.pt", weights_only=True)["global"]
+
+
+@pytest.mark.parametrize("extra", [[], ["attack.kind=sign_flip", "attack.fraction=0.3"], ["server.aggregator=median"]],
+                         ids=["sums", "attacked-groups", "each-model"])
+def test_vectorised_groups_are_bit_identical_for_1_2_and_3_actors_and_in_process(ray_local, tmp_path, extra):
+    """Plain FedAvg sends one sum per group; a group with a sign-flipping attacker is cut,
+    attacked and summed again; the median needs every model, so groups are cut into clients."""
+    common = ["dataset=digits", "model=mlp", "num_clients=20", "participation=0.6", "rounds=3", "local.vectorize=true",
+              "local.vectorize_group=4", "checkpoint_every=0", *extra]
+    models = []
+    for actors in (1, 2, 3):
+        name = f"a{actors}"
+        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
+                     "--quiet"]) == 0
+        models.append(_model(tmp_path / name))
+        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist()
+                if r["method"] == "client_update"]
+        assert len(rows) == 3 * 12 and all(r["loss"] is not None and r["status"] == "ok" for r in rows)
+    metrics = pq.read_table(tmp_path / "a1" / "metrics.parquet").to_pylist()
+    summed = not extra or "attack.kind=sign_flip" in extra
+    n_params = sum(v.numel() for v in models[0].values())
+    per_round_up = metrics[1]["round_bytes_up"]
+    # a sum per group of 4 (3 groups of 12 clients), in float64; or 12 float32 models
+    assert per_round_up == (3 * n_params * 8 if summed else 12 * n_params * 4)
+    torch.set_num_threads(1)
+    mine = InProcessServer.from_config(load_config(overrides=common))
+    mine.run()
+    models.append(mine.algorithm.model.state_dict())
+    for m in models[1:]:
+        assert all(torch.equal(models[0][k], m[k]) for k in m)
+
+
+def test_a_vectorised_run_resumed_from_its_checkpoint_ends_with_the_same_bits(ray_local, tmp_path):
+    common = ["dataset=digits", "model=mlp", "num_clients=20", "participation=0.6", "local.vectorize=true",
+              "local.vectorize_group=4", "checkpoint_every=5", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=2", "run_name=short", "resources.num_actors=1"]) == 0
+    assert main([f"resume={tmp_path / 'short'}", "rounds=4", "resources.num_actors=2", "--quiet"]) == 0
+    assert main([*common, "rounds=4", "run_name=long", "resources.num_actors=3"]) == 0
+    a, b = _model(tmp_path / "short"), _model(tmp_path / "long")
+    assert all(torch.equal(a[k], b[k]) for k in b)
