@@ -237,17 +237,28 @@ class WeightedMean:
     def __init__(self):
         self.acc: Optional[dict[str, torch.Tensor]] = None
         self.total = 0.0
+        self._term: Optional[torch.Tensor] = None  # float64 scratch for v.double() * weight
 
     def add(self, state: dict[str, torch.Tensor], weight: float) -> None:
+        """acc += v.double() * weight, entry by entry. The term is made in a scratch buffer
+        kept for the whole fold, not allocated per entry: the same bits, and on the server's
+        CPU the fresh float64 buffers' page faults were most of a big model's fold."""
         if self.acc is None:
             self.acc = {k: (v.double() * weight if v.is_floating_point() else v.clone()) for k, v in state.items()}
         else:
             for k, v in state.items():
                 if v.is_floating_point():
-                    self.acc[k] += v.double() * weight
+                    self.acc[k].add_(self._product(v, weight))
                 else:
                     self.acc[k] = torch.maximum(self.acc[k], v)
         self.total += weight
+
+    def _product(self, v: torch.Tensor, weight: float) -> torch.Tensor:
+        """v.double() * weight, in the scratch buffer (valid until the next call)."""
+        if self._term is None or self._term.numel() < v.numel() or self._term.device != v.device:
+            self._term = torch.empty(max(v.numel(), max(t.numel() for t in self.acc.values())), dtype=torch.float64,
+                                     device=v.device)
+        return self._term[:v.numel()].view(v.shape).copy_(v).mul_(weight)
 
     def add_sum(self, sums: dict[str, torch.Tensor], weight: float) -> None:
         """Fold another running sum (`acc` of a WeightedMean over clients weighing `weight`

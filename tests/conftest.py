@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 SUPPORT = str(Path(__file__).parent / "support")
+BENCHMARKS = str(Path(__file__).parent.parent / "benchmarks")  # bench_plugin, for benchmarks/gpu.py --dry
 sys.path.insert(0, SUPPORT)
 # A warm service the developer started (python -m raysim.up) must not run the tests' commands:
 # they see a service folder of their own (tests/test_service.py starts one there).
@@ -12,7 +13,7 @@ os.environ["RAYSIM_SERVICE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp")
 # The prepared-data cache (raysim/data/cache.py) starts empty in every session, and goes with it.
 os.environ["RAYSIM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"raysim-tests-cache-{os.getpid()}")
 # Ray worker processes inherit the environment of the process that starts Ray.
-os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT, BENCHMARKS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -103,3 +103,25 @@ def test_a_vectorised_run_resumed_from_its_checkpoint_ends_with_the_same_bits(ra
     assert main([*common, "rounds=4", "run_name=long", "resources.num_actors=3"]) == 0
     a, b = _model(tmp_path / "short"), _model(tmp_path / "long")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_the_gpu_benchmark_runs_dry_on_the_cpu_and_checks_the_bits(ray_local, tmp_path):
+    """benchmarks/gpu.py --dry: one row of each code path, the identity checks, the plain
+    loop, the results file written as it goes; without a GPU and without --dry it refuses."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    out = tmp_path / "gpu.txt"
+    assert gpu.main(["--dry", "--out", str(out)]) == 0
+    text = out.read_text()
+    for line in ("2 CPU actors, determinism=false", "1 CPU actor, vectorised, groups of 250", "not vectorised",
+                 "plain torch loop, one process, shards on cpu", "determinism costs",
+                 "identical: the per-client path", "identical: the vectorised path"):
+        assert line in text, line
+    assert "DIFFERENT" not in text
+    if not torch.cuda.is_available():
+        assert gpu.main(["--out", str(tmp_path / "no.txt")]) == 2
