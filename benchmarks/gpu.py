@@ -6,7 +6,8 @@
 Rows (FedAvg, the MNIST split of `benchmarks/accuracy_mnist.py --write-split`, `--data`):
 - cnn, 100 clients, 20 a round, E=2, B=32: 4 actors x 0.25 GPU, 8 x 0.125, 1 x 1.0, 4 x 0.25
   with `determinism=false`, 16 CPU actors, a plain torch loop on the GPU;
-- VGG-9, 20 clients, 10 a round, E=2: 4 x 0.25, the same vectorised, the same with
+- VGG-9, 20 clients, 10 a round, E=2: 4 x 0.25 (each actor's clients in up to 4 tasks, so
+  the server folds while they train), the same in one task per actor, vectorised, with
   `determinism=false`, a plain loop on the GPU;
 - cnn, 1,000 clients x 8 samples, all a round, E=1, B=8: vectorised 4 x 0.25 (groups of
   250), 1 x 1.0 (one group of 1,000), 4 x 0.25 not vectorised, 16 CPU actors vectorised,
@@ -88,6 +89,8 @@ def rows(dry: bool) -> list[tuple[str, str, dict, str]]:
         ("vgg9", 4, True, {}, "", "vgg9", True),
         ("vgg9", 4, True, {"ray.reuse_workers": False}, "repeated, fresh actors", "vgg9", False),
         ("vgg9", 4, True, {"determinism": False}, "determinism=false", "", False),
+        ("vgg9", 4, True, {"resources.tasks_per_actor": 1}, "one task per actor (no fold while training)", "vgg9",
+         False),
         ("vgg9", 4, True, {"local.vectorize": True, "local.vectorize_group": 8}, "vectorised", "", False),
         ("cnn1000", 4, True, VEC250, "vectorised, groups of 250", "vectorised", True),
         ("cnn1000", 2, True, VEC250, "vectorised, groups of 250", "vectorised", False),

@@ -125,3 +125,38 @@ def test_the_gpu_benchmark_runs_dry_on_the_cpu_and_checks_the_bits(ray_local, tm
     assert "DIFFERENT" not in text
     if not torch.cuda.is_available():
         assert gpu.main(["--out", str(tmp_path / "no.txt")]) == 2
+
+
+def test_an_actors_clients_in_several_tasks_fold_to_the_same_bits(ray_local, tmp_path):
+    """resources.tasks_per_actor=4 (the default for models of 1 MB or more on GPU actors):
+    each actor's clients go in up to 4 tasks, the server folding the first while the actor
+    trains on; the fold is still in client-id order, so 1 and 2 actors and the in-process
+    server give the same bits."""
+    from omegaconf import OmegaConf
+
+    from raysim.runtime.dispatch import PIPELINE_BYTES, pipeline, tasks_per_actor
+
+    assert pipeline(list(range(10)), None, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert pipeline(list(range(10)), None, 1) == [list(range(10))]
+    assert pipeline(list(range(8)), [4, 4], 4) == [list(range(8))]  # blocks stay whole
+    gpu = OmegaConf.create({"tasks_per_actor": None, "num_gpus_per_actor": 0.25})
+    cpu = OmegaConf.create({"tasks_per_actor": None, "num_gpus_per_actor": 0.0})
+    assert tasks_per_actor(gpu, PIPELINE_BYTES) == 4 and tasks_per_actor(gpu, PIPELINE_BYTES - 1) == 1
+    assert tasks_per_actor(cpu, PIPELINE_BYTES) == 1
+    common = ["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=2", "checkpoint_every=0",
+              "resources.tasks_per_actor=4"]
+    models = []
+    for actors in (1, 2):
+        name = f"p{actors}"
+        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
+                     "--quiet"]) == 0
+        models.append(_model(tmp_path / name))
+        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist()
+                if r["method"] == "client_update"]
+        assert sorted((r["round"], r["cid"]) for r in rows) == [(r, c) for r in (1, 2) for c in range(12)]
+    torch.set_num_threads(1)
+    mine = InProcessServer.from_config(load_config(overrides=common))
+    mine.run()
+    models.append(mine.algorithm.model.state_dict())
+    for m in models[1:]:
+        assert all(torch.equal(models[0][k], m[k]) for k in m)

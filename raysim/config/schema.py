@@ -89,6 +89,8 @@ class ResourcesConfig:
     # clients_per_actor asks for more actors than there are CPUs
     num_gpus_per_actor: float = 0.0
     torch_threads: int = 1  # torch intra-op threads in each client actor
+    tasks_per_actor: Optional[int] = None  # an actor's clients of a round in up to this many tasks, so the server folds
+    # the first tasks' models while it trains the rest; None: 4 where actors hold a GPU and models are >= 1 MB, else 1
     placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster
 
 

@@ -160,6 +160,8 @@ def validate(cfg: DictConfig) -> None:
          f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
+    need(r.tasks_per_actor is None or r.tasks_per_actor >= 1,
+         f"resources.tasks_per_actor must be >= 1 (or null: chosen by the model's size and the GPU), got {r.tasks_per_actor}")
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
     for key, reg in PLUGIN_KINDS.items():  # each chosen part checks its own options
         section = section_of(reg, cfg[key])
