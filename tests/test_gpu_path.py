@@ -8,12 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raysim.config import load_config
 from raysim.contract import ClientResult
 from raysim.run import main
-from raysim.testing import InProcessServer
 from raysim.training import pairwise_sum, partial_sum, stacked_sum
 import raysim.training as training
+from same_bits import same_bits_on_ray_and_in_process
 
 
 def test_every_client_actor_trains_with_the_determinism_settings_unless_the_option_turns_them_off(ray_local,
@@ -72,27 +71,13 @@ def test_vectorised_groups_are_bit_identical_for_1_2_and_3_actors_and_in_process
     attacked and summed again; the median needs every model, so groups are cut into clients."""
     common = ["dataset=digits", "model=mlp", "num_clients=20", "participation=0.6", "rounds=3", "local.vectorize=true",
               "local.vectorize_group=4", "checkpoint_every=0", *extra]
-    models = []
-    for actors in (1, 2, 3):
-        name = f"a{actors}"
-        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
-                     "--quiet"]) == 0
-        models.append(_model(tmp_path / name))
-        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist()
-                if r["method"] == "client_update"]
-        assert len(rows) == 3 * 12 and all(r["loss"] is not None and r["status"] == "ok" for r in rows)
+    models, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 2, 3))
+    assert all(len(r) == 3 * 12 and all(x["loss"] is not None and x["status"] == "ok" for x in r) for r in rows)
     metrics = pq.read_table(tmp_path / "a1" / "metrics.parquet").to_pylist()
     summed = not extra or "attack.kind=sign_flip" in extra
     n_params = sum(v.numel() for v in models[0].values())
-    per_round_up = metrics[1]["round_bytes_up"]
     # a sum per group of 4 (3 groups of 12 clients), in float64; or 12 float32 models
-    assert per_round_up == (3 * n_params * 8 if summed else 12 * n_params * 4)
-    torch.set_num_threads(1)
-    mine = InProcessServer.from_config(load_config(overrides=common))
-    mine.run()
-    models.append(mine.algorithm.model.state_dict())
-    for m in models[1:]:
-        assert all(torch.equal(models[0][k], m[k]) for k in m)
+    assert metrics[1]["round_bytes_up"] == (3 * n_params * 8 if summed else 12 * n_params * 4)
 
 
 def test_a_vectorised_run_resumed_from_its_checkpoint_ends_with_the_same_bits(ray_local, tmp_path):
@@ -145,18 +130,6 @@ def test_an_actors_clients_in_several_tasks_fold_to_the_same_bits(ray_local, tmp
     assert tasks_per_actor(cpu, PIPELINE_BYTES) == 1
     common = ["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=2", "checkpoint_every=0",
               "resources.tasks_per_actor=4"]
-    models = []
-    for actors in (1, 2):
-        name = f"p{actors}"
-        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
-                     "--quiet"]) == 0
-        models.append(_model(tmp_path / name))
-        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist()
-                if r["method"] == "client_update"]
-        assert sorted((r["round"], r["cid"]) for r in rows) == [(r, c) for r in (1, 2) for c in range(12)]
-    torch.set_num_threads(1)
-    mine = InProcessServer.from_config(load_config(overrides=common))
-    mine.run()
-    models.append(mine.algorithm.model.state_dict())
-    for m in models[1:]:
-        assert all(torch.equal(models[0][k], m[k]) for k in m)
+    _, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 2))
+    for r in rows:
+        assert sorted((x["round"], x["cid"]) for x in r) == [(rnd, c) for rnd in (1, 2) for c in range(12)]

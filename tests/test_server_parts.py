@@ -206,24 +206,12 @@ def test_partial_sums_are_bit_identical_across_actor_counts_and_in_process(ray_l
     """server.partial_sums=4: each actor sends one weighted sum per block of 4 clients (by
     client id); 1, 2 and 3 actors and the in-process server give the same model, bit for bit,
     and the clients table still has a row per client."""
-    import pyarrow.parquet as pq
+    from same_bits import same_bits_on_ray_and_in_process
 
     common = ["dataset=digits", "num_clients=12", "participation=0.75", "rounds=3", "server.partial_sums=4",
               "attack.kind=sign_flip", "attack.fraction=0.2", "algorithm=fedprox"]
-    models = []
-    for actors in (1, 2, 3):
-        name = f"a{actors}"
-        assert main([*common, f"resources.num_actors={actors}", f"output_dir={tmp_path}", f"run_name={name}",
-                     "--quiet"]) == 0
-        models.append(torch.load(tmp_path / name / "model.pt", weights_only=True)["global"])
-        rows = [r for r in pq.read_table(tmp_path / name / "clients.parquet").to_pylist() if r["method"] == "client_update"]
-        assert len(rows) == 3 * 9 and all(r["loss"] is not None for r in rows)
-    torch.set_num_threads(1)
-    mine = InProcessServer.from_config(load_config(overrides=common))
-    mine.run()
-    models.append(mine.algorithm.model.state_dict())
-    for m in models[1:]:
-        assert all(torch.equal(models[0][k], m[k]) for k in m)
+    models, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 2, 3))
+    assert all(len(r) == 3 * 9 and all(x["loss"] is not None for x in r) for r in rows)
     plain = InProcessServer.from_config(load_config(overrides=[o for o in common if "partial" not in o]))
     plain.run()
     for k, v in plain.algorithm.model.state_dict().items():  # the same sum, added in another order
