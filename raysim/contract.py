@@ -232,10 +232,12 @@ class Algorithm:
         replace it. Not needed by an algorithm whose `client_update` builds its own."""
         raise NotImplementedError
 
-    def client_update_cohort(self, clients: list[Client], payload: Any) -> list[ClientResult]:
+    def client_update_cohort(self, clients: list[Client], payload: Any) -> "list[ClientResult] | CohortResult":
         """`client_update` of a group of clients as one batched program (`local.vectorize`,
-        raysim/vectorized.py): the same results up to float rounding. An algorithm that does
-        not provide it trains one client at a time and refuses the option."""
+        raysim/vectorized.py): the same results up to float rounding, one per client or as a
+        `CohortResult` (the models stacked; summed where they trained when the run folds by
+        the plain mean). An algorithm that does not provide it trains one client at a time
+        and refuses the option."""
         raise NotImplementedError
 
     @classmethod

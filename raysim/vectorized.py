@@ -8,8 +8,7 @@ of its weights (leading dimension: the client), each on its own batch; a model m
 Flatten / Linear / ReLU (MCLR, the MLPs) skips vmap's per-call cost and runs as batched
 matmuls (`stacked_forward`). Either way:
 
-- every client starts from its own weights (`start`: one state dict, or one per client),
-  draws its batches from its own generator exactly as `training.local_sgd` does (the same
+- every client starts from the weights `start` (a state dict), draws its batches from its own generator exactly as `training.local_sgd` does (the same
   permutations, the same order), and takes its own number of steps (stragglers, unequal
   data): a client that has finished is masked (its weights stop changing) and a short last
   batch is padded with masked samples, never with made-up data;
