@@ -7,6 +7,7 @@ import pytest
 SUPPORT = str(Path(__file__).parent / "support")
 BENCHMARKS = str(Path(__file__).parent.parent / "benchmarks")  # bench_plugin, for benchmarks/gpu.py --dry
 sys.path.insert(0, SUPPORT)
+sys.path.insert(1, BENCHMARKS)
 # A warm service the developer started (python -m raysim.up) must not run the tests' commands:
 # they see a service folder of their own (tests/test_service.py starts one there).
 os.environ["RAYSIM_SERVICE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"raysim-tests-{os.getpid()}")

@@ -160,3 +160,26 @@ def test_a_warm_service_of_another_version_is_one_line(tmp_path):
                                                               env=env))
     finally:
         srv.close()
+
+
+def test_a_plugin_an_earlier_run_imported_does_not_leak_into_a_later_runs_record(ray_local, tmp_path):
+    """A run with a plugin dataset (bench_images) leaves the plugin registered in this
+    process and in the reused server actor; a later run that neither uses nor names it must
+    not record its section, or a fresh process could not resume it (found by the suite:
+    `unknown config key 'bench_images'` on resume)."""
+    from raysim.run import main
+
+    out = f"output_dir={tmp_path}"
+    assert main(["plugins=[bench_plugin]", "dataset=bench_images", "bench_images.samples_per_client=4",
+                 "bench_images.test_samples=8", "partition=iid", "partition.min_size=1", "model=mclr", "num_clients=4",
+                 "rounds=1", out, "run_name=with-plugin", "--quiet"]) == 0
+    assert main(["num_clients=6", "rounds=2", out, "run_name=later", "--quiet"]) == 0
+    later = tmp_path / "later"
+    assert "bench_images" not in (later / "config.yaml").read_text()
+    import torch
+
+    record = torch.load(later / "checkpoint.pt", weights_only=False)["config"]
+    assert not [k for k in record if k.startswith("bench_images.")]
+    # a fresh process without the plugin reads the run's config back (as resume= does first)
+    r = cli([f"resume={later}", "rounds=3", "--print-config"], tmp_path, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and "rounds: 3" in r.stdout, r.stderr

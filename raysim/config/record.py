@@ -5,7 +5,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from raysim.config.sections import schema
+from raysim.config.sections import foreign_sections, schema
 from raysim.errors import ConfigError
 
 # What may change when a run is resumed: how long it runs and where, not what it computes.
@@ -30,7 +30,8 @@ def run_record(cfg: DictConfig) -> dict:
             out[key] = node
 
     plain = OmegaConf.to_container(cfg, resolve=True)
-    walk({k: v for k, v in plain.items() if k not in NOT_COMPUTING}, "")
+    skip = set(NOT_COMPUTING) | foreign_sections(cfg)
+    walk({k: v for k, v in plain.items() if k not in skip}, "")
     return out
 
 

@@ -72,6 +72,21 @@ def used_sections(cfg) -> set:
     return {s for key, reg in PLUGIN_KINDS.items() if (s := section_of(reg, cfg[key])) is not None}
 
 
+def foreign_sections(cfg) -> set:
+    """The sections of parts a module outside raysim registered (a plugin imported earlier in
+    this process, by another run or a notebook) that this run neither reads nor names in
+    `plugins`: left out of what a run records (config.yaml, the checkpoint's record), which a
+    fresh process, without that plugin, must be able to read back to resume it."""
+    named, used = {str(m) for m in cfg.get("plugins") or []}, used_sections(cfg)
+    out = set()
+    for key, reg in PLUGIN_KINDS.items():
+        for name in reg.names():
+            section, module = section_of(reg, name), registry.module_of(reg.get(name))
+            if section is not None and section not in used and not module.startswith("raysim.") and module not in named:
+                out.add(section)
+    return out
+
+
 def unused_sections(layers: list, cfg) -> list:
     """[(source, section, choosing key)] for each layer that sets a plugin section the run
     does not read (e.g. `fedprox.mu` with algorithm=fedavg)."""

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from raysim.contract import ClientResult
 from raysim.config import to_yaml
+from raysim.config.sections import foreign_sections
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint
 from raysim.runtime.observe import RayMetrics
@@ -27,6 +28,9 @@ class RunRecord:
         """Create (or, resuming from checkpoint `resume`, reopen) the run directory."""
         saved = cfg.copy()
         saved.resume = None  # config.yaml describes the run, wherever it was resumed from
+        with open_dict(saved):
+            for section in foreign_sections(cfg):  # another run's plugin: not this run's, nor readable without it
+                del saved[section]
         self.writer = RunWriter(run_dir, to_yaml(saved), resume_round=resume["round"] if resume else None,
                                 trackers=OmegaConf.to_container(saved, resolve=True))
         self.dir = self.writer.dir
