@@ -9,7 +9,7 @@ from raysim.config.sections import foreign_sections, schema
 from raysim.errors import ConfigError
 
 # What may change when a run is resumed: how long it runs and where, not what it computes.
-RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume", "log")
+RESUMABLE_KEYS = ("rounds", "checkpoint_every", "ray", "resources", "resume", "log", "data_store", "data_store_dir")
 
 
 # What a resumed run must share with the run that wrote its checkpoint: every key but where it

@@ -58,10 +58,15 @@ class ClientRunner:
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = ray.get(data_refs)
-        with warnings.catch_warnings():  # object-store arrays are read-only; we never write them
+        home = self.device  # where the whole training set lives in this actor
+        if "folder" in arrays:  # data_store=files: the manifest; map the files (data/store.py)
+            from raysim.data import store
+
+            arrays, home = store.open_arrays(arrays), torch.device("cpu")  # a client's shard goes to the device
+        with warnings.catch_warnings():  # object-store arrays and mapped files are read-only; we never write them
             warnings.simplefilter("ignore", UserWarning)
-            self.x = torch.from_numpy(arrays["x_train"]).to(self.device)
-            self.y = torch.from_numpy(arrays["y_train"]).to(self.device)
+            self.x = torch.from_numpy(arrays["x_train"]).to(home)
+            self.y = torch.from_numpy(arrays["y_train"]).to(home)
         self.train_index = train_index
         self.num_classes = num_classes
         self.seed = int(self.cfg.seed)  # read once: an OmegaConf lookup costs ~25 us, per client adds up
@@ -147,8 +152,8 @@ class ClientRunner:
         if (rnd, cid) == self.crash:
             os._exit(1)  # injected fault: this worker process dies mid-round
         if x is None:
-            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.device)
-            x, y = model_inputs(self.x[idx], *self.pixels), self.y[idx]
+            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.x.device)
+            x, y = model_inputs(self.x[idx].to(self.device), *self.pixels), self.y[idx].to(self.device)
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
                           n_epochs, self.transform, self.seed)
 
@@ -156,8 +161,8 @@ class ClientRunner:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
         gathered and decoded once for the group; each client's shard a view of them."""
         shards = [np.asarray(self.train_index[cid]) for cid, _, _ in part]
-        rows = torch.from_numpy(np.concatenate(shards)).to(self.device)
-        x, y = model_inputs(self.x[rows], *self.pixels), self.y[rows]
+        rows = torch.from_numpy(np.concatenate(shards)).to(self.x.device)
+        x, y = model_inputs(self.x[rows].to(self.device), *self.pixels), self.y[rows].to(self.device)
         clients, at = [], 0
         for (cid, n_epochs, state), shard in zip(part, shards):
             clients.append(self._client(rnd, cid, n_epochs, state, x[at:at + len(shard)], y[at:at + len(shard)]))

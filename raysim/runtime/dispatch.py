@@ -83,8 +83,9 @@ class Dispatch:
 
     def share_data(self, cfg_plain: dict, arrays: dict, train_index, num_classes: int, norm, pixel_max,
                    sizes) -> None:
-        """Put the training arrays and the partition in the object store once; each actor
-        gets the references with its first call. `sizes`: samples per client (task planning)."""
+        """Put the training arrays (or, `data_store=files`, the manifest of their files:
+        data/store.py) and the partition in the object store once; each actor gets the
+        references with its first call. `sizes`: samples per client (task planning)."""
         self.shared = (cfg_plain, [ray.put(arrays), ray.put(train_index)], num_classes, norm, pixel_max)
         self.sizes = sizes
 

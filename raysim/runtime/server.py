@@ -15,6 +15,7 @@ Checkpoints: `checkpoint_every`, `resume=<run dir>` (checkpoint.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -86,8 +87,16 @@ class FederatedServer:
 
             self.accountant = for_run(self.cfg, self.sizes, resumed=bool(self.cfg.resume))
             self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
-        self.dispatch.share_data(OmegaConf.to_container(self.cfg), {"x_train": data.x_train, "y_train": data.y_train},
-                                 part.train, num_classes, data.norm, data.pixel_max, self.sizes)
+        arrays = {"x_train": data.x_train, "y_train": data.y_train}
+        files = None
+        if self.cfg.data_store == "files":  # written once, mapped by every process: data/store.py
+            from raysim.data import store
+
+            files = store.put(arrays, store.root(self.cfg))
+            arrays = store.open_arrays(files)  # the server's own copy goes: it reads the files' pages too
+            data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"])
+        self.dispatch.share_data(OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
+                                 num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
@@ -104,7 +113,7 @@ class FederatedServer:
         self.input_shape = data.input_shape
         data_bytes, store_bytes = data.x_train.nbytes + data.y_train.nbytes, ray.cluster_resources().get(
             "object_store_memory", 0)
-        self.store_notice = placement.store_notice(data_bytes, store_bytes)
+        self.store_notice = placement.store_notice(data_bytes, store_bytes) if files is None else None
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
                 "data_bytes": int(data_bytes), "store_bytes": float(store_bytes),
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
