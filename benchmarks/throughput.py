@@ -48,6 +48,14 @@ WORKLOADS = {
     "cnn-vec": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid", "model=cnn",
                 "num_clients=100", "clients_per_round=10", "rounds=5", "local.batch_size=64", "local.lr=0.01",
                 "local.momentum=0.9", "local.vectorize=true", "local.vectorize_group=5"],
+    # big data (issue 42): 1,000 clients x 500 random 3x32x32 uint8 images (1.5 GB), in Ray's object
+    # store or in memory-mapped files (data_store=files)
+    "cnn-1000x500": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid", "model=cnn",
+                     "num_clients=1000", "clients_per_round=10", "rounds=6", "local.batch_size=64", "local.lr=0.01",
+                     "local.momentum=0.9"],
+    "cnn-1000x500-files": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid",
+                           "model=cnn", "num_clients=1000", "clients_per_round=10", "rounds=6", "local.batch_size=64",
+                           "local.lr=0.01", "local.momentum=0.9", "data_store=files"],
     # start-up time and memory at scale
     "mclr-1000": [*SYNTH, "num_clients=1000", "rounds=3"],
     "mclr-10000": [*SYNTH, "num_clients=10000", "rounds=3"],
