@@ -33,7 +33,8 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         keep = long_tail_index(data.y_train, n_classes, float(cfg.long_tail.imbalance),
                                np.random.default_rng([int(cfg.seed), 9]))
         data = dataclasses.replace(data, x_train=data.x_train[keep], y_train=data.y_train[keep],
-                                   users_train=None if data.users_train is None else data.users_train[keep])
+                                   users_train=None if data.users_train is None else data.users_train[keep],
+                                   stored=None)  # a subset: no longer the stored files' arrays
     own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
     part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
     from raysim.contract import Algorithm

@@ -51,3 +51,29 @@ def test_a_stored_file_truncated_or_changed_since_is_one_line_and_no_run(ray_loc
     x.write_bytes(original)
     os.utime(x)
     assert main([*common, "run_name=repaired"]) == 0
+
+
+def test_a_generator_writes_its_arrays_straight_into_files_once_with_the_memory_paths_values(ray_local, tmp_path):
+    """bench_images makes its arrays in chunks (`generate`): with data_store=files they go
+    straight into files, once per key (a second run finds them), never held whole; the
+    models equal the memory path's, also when a long tail takes a subset of the stored arrays."""
+    store = tmp_path / "arrays"
+    common = ["plugins=[bench_plugin]", "dataset=bench_images", "bench_images.samples_per_client=12",
+              "bench_images.dtype=float32", "bench_images.test_samples=40", "model=cnn", "partition=iid",
+              "partition.min_size=1", "num_clients=8", "rounds=2", f"output_dir={tmp_path}",
+              f"data_store_dir={store}", "--quiet"]
+    for name, extra in [("m", ["data_store=memory"]), ("f", ["data_store=files"]), ("f2", ["data_store=files"]),
+                        ("lt-m", ["data_store=memory", "long_tail.imbalance=4"]),
+                        ("lt-f", ["data_store=files", "long_tail.imbalance=4"])]:
+        assert main([*common, *extra, f"run_name={name}"]) == 0
+        if name == "f":
+            (folder,) = [p for p in store.iterdir() if p.name.startswith("bench_images-")]
+            written = (folder / "x_train.npy").stat().st_mtime_ns
+    assert (folder / "x_train.npy").stat().st_mtime_ns == written  # found by the later runs, not made again
+    assert len([p for p in store.iterdir() if p.name.startswith("bench_images-")]) == 1  # (the long tail's subset:
+    # a folder of its own, named by its content)
+    for a, b in [("m", "f"), ("m", "f2"), ("lt-m", "lt-f")]:
+        x, y = _model(tmp_path / a), _model(tmp_path / b)
+        assert all(torch.equal(x[k], y[k]) for k in x), (a, b)
+    lt, full = _model(tmp_path / "lt-m"), _model(tmp_path / "m")
+    assert not all(torch.equal(lt[k], full[k]) for k in lt)  # the long tail did train on other data

@@ -48,6 +48,7 @@ class FederatedData:
     norm: Optional[tuple] = None  # per-channel (mean, std) the images are standardised with
     pixel_max: Optional[float] = None  # images: x_* hold uint8 pixels in [0, pixel_max]
     label_source: Optional[tuple] = None  # (train, test): the files (or column) the labels came from, for messages
+    stored: Optional[dict] = None  # data_store=files: the manifest of the files x_train / y_train map (data/store.py)
 
     def __post_init__(self) -> None:
         """Every loader's files, a plugin's arrays: samples and labels pair up, and every

@@ -10,10 +10,19 @@ from an earlier run, and every process maps those files read-only: one copy on t
 in the page cache, whatever Ray's object store holds; a client's shard is read when the
 client trains. The models are bit-identical to the memory path's (tested).
 
-Written once and checked every run: the manifest records each array's shape, dtype and the
-SHA-256 of every 64 MB block; the server reads the files back against it before a run (which
-also warms the page cache for the actors), so a file truncated or changed since is one line
-naming it, never wrong data. Client actors check the sizes when they map the files.
+Written once and checked every run: the manifest records each array's shape, dtype, size
+and the SHA-256 of every 64 MB block; before a run the server reads the files back against
+it (all of them up to `CHECK_ALL_BYTES`, which also warms the page cache for the actors;
+above, the sizes, the first and last blocks and the files' modification times), so a file
+truncated or changed since is one line naming it, never wrong data. Client actors check the
+sizes when they map the files.
+
+Data larger than memory: a dataset class that can make its arrays in chunks provides
+`generate(cfg, out)` (`out.array(name, shape, dtype)` gives an array to fill, `out.put(name,
+array)` takes a small one) and `arrays_key(cfg)` (what its arrays depend on). With
+`data_store=files` its arrays are then made straight into the files (`Writer`), once per
+key, and never held whole; `data=memory` makes them into plain arrays (`InMemory`), with the
+same chunks and so the same values.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from raysim.errors import ConfigError
 
 BLOCK = 64 * 2**20
 MANIFEST = "manifest.json"
+CHECK_ALL_BYTES = 4 * 2**30
 
 
 def root(cfg) -> Path:
@@ -56,10 +66,9 @@ def put(arrays: dict[str, np.ndarray], where: Path) -> dict:
                for name, a in sorted(arrays.items())}
     content = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:24]
     folder = where / content
-    manifest = {"folder": str(folder.resolve()), "arrays": entries}
     if (folder / MANIFEST).is_file():
-        check(manifest)
-        return manifest
+        return find(where, content)
+    manifest = {"folder": str(folder.resolve()), "arrays": entries}
     try:
         where.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{content}-", dir=where))
@@ -69,12 +78,13 @@ def put(arrays: dict[str, np.ndarray], where: Path) -> dict:
     try:
         for name, a in arrays.items():
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(a), allow_pickle=False)
+            entries[name]["mtime_ns"] = (tmp / f"{name}.npy").stat().st_mtime_ns
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         try:
             os.rename(tmp, folder)
         except OSError:  # another process wrote the same content first: use theirs, checked
             shutil.rmtree(tmp, ignore_errors=True)
-            check(manifest)
+            return find(where, content)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"data_store=files: writing the training data under {where} failed ({e.strerror}); free "
@@ -83,10 +93,21 @@ def put(arrays: dict[str, np.ndarray], where: Path) -> dict:
 
 
 def check(manifest: dict) -> None:
-    """Read every stored array back against the manifest (its size, then each block's SHA-256)."""
+    """Read the stored arrays back against the manifest: their sizes, then every block's
+    SHA-256 (up to `CHECK_ALL_BYTES` in all; above, the first and last blocks and the
+    files' modification times, so that a run on data larger than memory does not read them
+    all before it starts)."""
     maps = open_arrays(manifest)
+    whole = sum(a.nbytes for a in maps.values()) <= CHECK_ALL_BYTES
     for name, entry in manifest["arrays"].items():
-        if _blocks(_bytes(maps[name])) != entry["blocks"]:
+        data = _bytes(maps[name])
+        if whole:
+            same = _blocks(data) == entry["blocks"]
+        else:
+            last = (len(entry["blocks"]) - 1) * BLOCK
+            same = (_blocks(data[:BLOCK]) == entry["blocks"][:1] and _blocks(data[last:]) == entry["blocks"][-1:]
+                    and entry.get("mtime_ns") == (Path(manifest["folder"]) / f"{name}.npy").stat().st_mtime_ns)
+        if not same:
             raise _changed(manifest, name, "its content differs from what raysim wrote")
 
 
@@ -114,3 +135,95 @@ def _changed(manifest: dict, name: str, what: str) -> ConfigError:
     path = Path(manifest["folder"]) / f"{name}.npy"
     return ConfigError(f"data_store=files: {path} changed since raysim wrote it: {what}; delete the folder "
                        f"{manifest['folder']} and run again (it is written anew)")
+
+
+class InMemory:
+    """What a dataset's `generate(cfg, out)` fills with `data_store=memory`: plain arrays."""
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def array(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        self.arrays[name] = np.empty(shape, dtype)
+        return self.arrays[name]
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        self.arrays[name] = np.ascontiguousarray(array)
+
+
+class Writer(InMemory):
+    """What `generate(cfg, out)` fills with `data_store=files`: arrays memory-mapped on files
+    in a folder of their own, named by the dataset's key (`find` gives it back to a later run)."""
+
+    def __init__(self, where: Path, name: str):
+        super().__init__()
+        where.mkdir(parents=True, exist_ok=True)
+        self.where, self.name = where, name
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=where))
+
+    def array(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        self.arrays[name] = np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+        return self.arrays[name]
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        self.array(name, array.shape, array.dtype)[...] = array
+
+    def finish(self) -> dict:
+        """Flush, hash and move the files into place; their manifest."""
+        entries = {}
+        for name, a in sorted(self.arrays.items()):
+            a.flush()
+            entries[name] = {"shape": list(a.shape), "dtype": a.dtype.str, "blocks": _blocks(_bytes(a))}
+        self.arrays.clear()
+        folder = self.where / self.name
+        for name in entries:
+            entries[name]["mtime_ns"] = (self.tmp / f"{name}.npy").stat().st_mtime_ns
+        manifest = {"folder": str(folder.resolve()), "arrays": entries}
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        try:
+            os.rename(self.tmp, folder)
+        except OSError:  # another process made them first: use theirs
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return find(self.where, self.name)
+
+    def abandon(self) -> None:
+        self.arrays.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def find(where: Path, name: str) -> Optional[dict]:
+    """The manifest of the folder `name` under `where`, checked (`check`); None if there is none."""
+    path = where / name / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    manifest["folder"] = str((where / name).resolve())
+    check(manifest)
+    return manifest
+
+
+def generated(cls, cfg) -> tuple[dict[str, np.ndarray], Optional[dict]]:
+    """The arrays of a dataset class that makes them in chunks (`generate`): with
+    `data_store=files` made once into files per `arrays_key(cfg)` and mapped (their manifest
+    returned too), else made in memory (manifest None)."""
+    if cfg.data_store != "files":
+        out = InMemory()
+        cls.generate(cfg, out)
+        return out.arrays, None
+    key = json.dumps({"dataset": cfg.dataset, **cls.arrays_key(cfg)}, sort_keys=True, default=str)
+    name = f"{cfg.dataset}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+    where = root(cfg)
+    manifest = find(where, name)
+    if manifest is None:
+        try:
+            writer = Writer(where, name)
+        except OSError as e:
+            raise ConfigError(f"data_store=files: cannot write under {where} ({e.strerror}); set data_store_dir to "
+                              "a writable folder with room for the training data, or data_store=memory") from None
+        try:
+            cls.generate(cfg, writer)
+            manifest = writer.finish()
+        except BaseException:
+            writer.abandon()
+            raise
+    return open_arrays(manifest), manifest

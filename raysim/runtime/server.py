@@ -92,9 +92,9 @@ class FederatedServer:
         if self.cfg.data_store == "files":  # written once, mapped by every process: data/store.py
             from raysim.data import store
 
-            files = store.put(arrays, store.root(self.cfg))
-            arrays = store.open_arrays(files)  # the server's own copy goes: it reads the files' pages too
-            data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"])
+            files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
+            arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
+            data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
         self.dispatch.share_data(OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
                                  num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
