@@ -26,7 +26,8 @@ def test_fedprox_mnist_recipe_gives_k_consecutive_labels_and_heavy_tailed_sizes(
         part(**{"partition": "classes_power_law", "num_clients": 3000})
 
 
-@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes", "classes_power_law"])
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "quantity", "power_law", "classes", "classes_power_law",
+                                  "contiguous"])
 def test_every_sample_exactly_once(name):
     p = part(partition=name, num_clients=30)
     allidx = np.concatenate(p.train)
@@ -34,6 +35,14 @@ def test_every_sample_exactly_once(name):
     assert len(allidx) == len(Y)
     assert np.array_equal(np.sort(allidx), np.arange(len(Y)))
     assert min(len(ix) for ix in p.train) >= 1
+
+
+def test_contiguous_gives_each_client_one_run_of_the_stored_order():
+    p = part(partition="contiguous", num_clients=7)
+    sizes = [len(ix) for ix in p.train]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(np.array_equal(ix, np.arange(ix[0], ix[0] + len(ix))) for ix in p.train)  # one sequential read each
+    assert [ix[0] for ix in p.train] == sorted(ix[0] for ix in p.train)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])

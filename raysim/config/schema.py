@@ -27,7 +27,7 @@ def augmentation_name(value) -> str:
 
 @dataclass
 class PartitionConfig:
-    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | classes_power_law | natural
+    name: str = "dirichlet"  # iid | dirichlet | classes | shards | quantity | power_law | classes_power_law | natural | contiguous
     beta: float = 0.5  # Dirichlet concentration (dirichlet: over labels, quantity: over sizes)
     k: int = 2  # classes, classes_power_law: labels per client (#C=k)
     shards_per_client: int = 2  # shards: label-sorted shards per client
