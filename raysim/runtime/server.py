@@ -115,7 +115,8 @@ class FederatedServer:
             "object_store_memory", 0)
         self.store_notice = placement.store_notice(data_bytes, store_bytes) if files is None else None
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
-                "data_bytes": int(data_bytes), "store_bytes": float(store_bytes),
+                "data_bytes": int(data_bytes) if files is None else 0,  # what the object store holds of the data
+                "store_bytes": float(store_bytes),
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
 
     def placed(self, timeout: float) -> int:
