@@ -175,8 +175,8 @@ def name_plugins_used(cfg: DictConfig) -> None:
 
 
 def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
-    """Merge the layers onto the full schema and validate. Relative `data_dir` and
-    `output_dir` are taken relative to `cwd` (the CLI's directory) when given."""
+    """Merge the layers onto the full schema and validate. Relative `data_dir`, `output_dir`,
+    `resume` and `data_store_dir` are taken relative to `cwd` (the CLI's directory) when given."""
     for _, data in layers:  # plugin modules first: they add sections to the schema
         plugins = data.get("plugins") or []
         registry.import_modules(plugins if isinstance(plugins, list) else [plugins])
@@ -191,9 +191,9 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
     check_sections(layers, cfg)
     name_plugins_used(cfg)
     if cwd is not None:
-        for key in ("data_dir", "output_dir", "resume"):
+        for key in ("data_dir", "output_dir", "resume", "data_store_dir"):
             if cfg[key] is not None:
-                cfg[key] = str(Path(cwd, cfg[key]))
+                cfg[key] = str(Path(cwd, Path(cfg[key]).expanduser()))
     return cfg
 
 
