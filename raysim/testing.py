@@ -27,13 +27,14 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from raysim.contract import ClientResult, CohortResult
+from raysim.contract import ClientResult
 from raysim.attacks import Adversaries
 from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability
 from raysim.runtime.wire import pack, unpack
-from raysim.training import evaluate, new_client, partial_sum, stack_updates, stacked_sum
+from raysim.training import evaluate, new_client, partial_sum
+from raysim.vectorized import group_sum, unstack
 
 
 class InProcessServer:
@@ -111,11 +112,8 @@ class InProcessServer:
                 done = plugin.client_update_cohort(clients, received)
             else:
                 done = [getattr(plugin, method)(clients[0], received)]
-            stacked = None
-            if isinstance(done, CohortResult):  # kept stacked where it is summed and no attack changes a model
-                each = not block or any(self.adversaries.changes_model(c.cid, rnd, method) for c in clients)
-                stacked = None if each else done.update
-                done = done.split(updates=each)
+            done, stacked = unstack(done, bool(block), any(self.adversaries.changes_model(c.cid, rnd, method)
+                                                           for c in clients))
             mine = []
             for client, result in zip(clients, done):
                 result = self.adversaries.after(client, received, result, rnd, method)
@@ -126,7 +124,7 @@ class InProcessServer:
                                        "client_state = True, so the state would be lost")
                 mine.append(result)
             if block and vector:  # a vectorised group's sum, as a client actor makes it
-                mine = [stacked_sum(stacked if stacked is not None else stack_updates([r.update for r in mine]), mine)]
+                mine = [group_sum(stacked, mine)]
             results.extend(mine)
         if block and not vector:  # server.partial_sums: one sum per block of consecutive clients, as client actors make
             results = [partial_sum(results[i:i + block]) for i in range(0, len(results), block)]

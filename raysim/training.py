@@ -367,8 +367,9 @@ def stacked_sum(update: dict[str, torch.Tensor], results: list[ClientResult]) ->
     total samples, mean loss and lines: what `partial_sum` gives, in `pairwise_sum`'s order.
 
     It works through the columns in chunks of at most `SUM_CHUNK` float64 values, in one
-    scratch buffer the process keeps (on CPU a fresh 88 MB buffer cost 30 ms of page faults,
-    a third of the sum; CUDA's allocator caches by itself)."""
+    scratch buffer the process keeps (on CPU, filling a fresh 61 MB float64 buffer took 32 ms
+    of page faults, a kept one 4.6 ms; the CNN's 1,000-client group sums fell from 0.17 s to
+    0.035 s; CUDA's allocator caches by itself)."""
     first = next(iter(update.values()))
     g, device = first.shape[0], first.device
     n = torch.tensor([r.num_samples for r in results], dtype=torch.float64, device=device).view(-1, 1)

@@ -41,8 +41,8 @@ from typing import Callable, Optional
 
 import torch
 
-from raysim.contract import Client, CohortResult
-from raysim.training import round_lr
+from raysim.contract import Client, ClientResult, CohortResult
+from raysim.training import round_lr, stack_updates, stacked_sum
 
 SampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> one loss per sample
 
@@ -228,3 +228,20 @@ def per_client(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 def cohort_result(clients: list[Client], state: dict[str, torch.Tensor], stats: list[dict]) -> CohortResult:
     """A group's trained models, kept stacked (what FedAvg and the algorithms built on it return)."""
     return CohortResult([c.cid for c in clients], [c.num_samples for c in clients], state, stats)
+
+
+def unstack(done, summed: bool, attacked: bool) -> tuple[list, Optional[dict]]:
+    """A group's results as `client_update_cohort` gave them -> (one `ClientResult` per client,
+    the stacked models when they stay stacked). A `CohortResult` keeps its models stacked
+    where the group is `summed` and no attacker changes its model first; otherwise each
+    client's model is cut out. A list passes as it is."""
+    if not isinstance(done, CohortResult):
+        return done, None
+    each = not summed or attacked
+    return done.split(updates=each), None if each else done.update
+
+
+def group_sum(stacked: Optional[dict], results: list[ClientResult]) -> ClientResult:
+    """The group's one result: `training.stacked_sum` of the stacked models, or of the
+    clients' own (re-stacked: after an attack, or from an algorithm that returned a list)."""
+    return stacked_sum(stacked if stacked is not None else stack_updates([r.update for r in results]), results)

@@ -60,36 +60,30 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 
 def put(arrays: dict[str, np.ndarray], where: Path) -> dict:
-    """The manifest of `arrays` stored under `where`: written now (atomically: a folder
-    renamed into place) unless an earlier run wrote the same content, which is checked."""
-    entries = {name: {"shape": list(a.shape), "dtype": a.dtype.str, "blocks": _blocks(_bytes(a))}
-               for name, a in sorted(arrays.items())}
+    """The manifest of `arrays` stored under `where`: written now (`Writer`) unless an earlier
+    run wrote the same content, which is checked."""
+    entries = {name: _entry(a) for name, a in sorted(arrays.items())}
     content = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:24]
-    folder = where / content
-    if (folder / MANIFEST).is_file():
-        return find(where, content)
-    manifest = {"folder": str(folder.resolve()), "arrays": entries}
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{content}-", dir=where))
-    except OSError as e:
-        raise ConfigError(f"data_store=files: cannot write under {where} ({e.strerror}); set data_store_dir to a "
-                          "writable folder with room for the training data, or data_store=memory") from None
+    manifest = find(where, content)
+    if manifest is not None:
+        return manifest
+    writer = Writer(where, content)
     try:
         for name, a in arrays.items():
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(a), allow_pickle=False)
-            entries[name]["mtime_ns"] = (tmp / f"{name}.npy").stat().st_mtime_ns
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process wrote the same content first: use theirs, checked
-            shutil.rmtree(tmp, ignore_errors=True)
-            return find(where, content)
+            np.save(writer.tmp / f"{name}.npy", np.ascontiguousarray(a), allow_pickle=False)
+        return writer.install(entries)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"data_store=files: writing the training data under {where} failed ({e.strerror}); free "
-                          "some room there, set data_store_dir elsewhere, or use data_store=memory") from None
-    return manifest
+        writer.abandon()
+        raise _cannot_write(where, e) from None
+
+
+def _entry(a: np.ndarray) -> dict:
+    return {"shape": list(a.shape), "dtype": a.dtype.str, "blocks": _blocks(_bytes(a))}
+
+
+def _cannot_write(where: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"data_store=files: cannot write the training data under {where} ({e.strerror}); set "
+                       "data_store_dir to a writable folder with room for them, or data_store=memory")
 
 
 def check(manifest: dict) -> None:
@@ -111,14 +105,14 @@ def check(manifest: dict) -> None:
             raise _changed(manifest, name, "its content differs from what raysim wrote")
 
 
-def open_arrays(manifest: dict, mode: Optional[str] = "r") -> dict[str, np.ndarray]:
+def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
     """The stored arrays, memory-mapped read-only; a missing, truncated or reshaped file is a
     `ConfigError` naming it."""
     out = {}
     for name, entry in manifest["arrays"].items():
         path = Path(manifest["folder"]) / f"{name}.npy"
         try:
-            a = np.load(path, mmap_mode=mode, allow_pickle=False)
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise _changed(manifest, name, "it is missing (on this node: data_store_dir must be a folder every "
                                            "node reads)") from None
@@ -153,13 +147,17 @@ class InMemory:
 
 class Writer(InMemory):
     """What `generate(cfg, out)` fills with `data_store=files`: arrays memory-mapped on files
-    in a folder of their own, named by the dataset's key (`find` gives it back to a later run)."""
+    in a folder of their own, named `name` under `where` (`find` gives it back to a later
+    run); `put` writes whole arrays through it too."""
 
     def __init__(self, where: Path, name: str):
         super().__init__()
-        where.mkdir(parents=True, exist_ok=True)
         self.where, self.name = where, name
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=where))
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=where))
+        except OSError as e:
+            raise _cannot_write(where, e) from None
 
     def array(self, name: str, shape: tuple, dtype) -> np.ndarray:
         self.arrays[name] = np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
@@ -169,20 +167,25 @@ class Writer(InMemory):
         self.array(name, array.shape, array.dtype)[...] = array
 
     def finish(self) -> dict:
-        """Flush, hash and move the files into place; their manifest."""
+        """Flush and hash the arrays made here, and move their files into place; their manifest."""
         entries = {}
         for name, a in sorted(self.arrays.items()):
             a.flush()
-            entries[name] = {"shape": list(a.shape), "dtype": a.dtype.str, "blocks": _blocks(_bytes(a))}
+            entries[name] = _entry(a)
         self.arrays.clear()
+        return self.install(entries)
+
+    def install(self, entries: dict) -> dict:
+        """The files written in the temporary folder, with their manifest (`entries` and the
+        files' modification times), renamed into place at once; if another process put the
+        same folder there first, theirs, checked."""
+        for name, entry in entries.items():
+            entry["mtime_ns"] = (self.tmp / f"{name}.npy").stat().st_mtime_ns
         folder = self.where / self.name
-        for name in entries:
-            entries[name]["mtime_ns"] = (self.tmp / f"{name}.npy").stat().st_mtime_ns
-        manifest = {"folder": str(folder.resolve()), "arrays": entries}
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        (self.tmp / MANIFEST).write_text(json.dumps({"folder": str(folder.resolve()), "arrays": entries}, indent=1))
         try:
             os.rename(self.tmp, folder)
-        except OSError:  # another process made them first: use theirs
+        except OSError:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return find(self.where, self.name)
 
@@ -215,14 +218,13 @@ def generated(cls, cfg) -> tuple[dict[str, np.ndarray], Optional[dict]]:
     where = root(cfg)
     manifest = find(where, name)
     if manifest is None:
-        try:
-            writer = Writer(where, name)
-        except OSError as e:
-            raise ConfigError(f"data_store=files: cannot write under {where} ({e.strerror}); set data_store_dir to "
-                              "a writable folder with room for the training data, or data_store=memory") from None
+        writer = Writer(where, name)
         try:
             cls.generate(cfg, writer)
             manifest = writer.finish()
+        except OSError as e:
+            writer.abandon()
+            raise _cannot_write(where, e) from None
         except BaseException:
             writer.abandon()
             raise

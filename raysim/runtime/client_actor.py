@@ -19,15 +19,15 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.attacks import Adversaries
-from raysim.contract import Client, CohortResult
+from raysim.contract import Client
 from raysim.config import augmentation_name
 from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import determinism
 from raysim.runtime.wire import pack, unpack
-from raysim.training import new_client, partial_sum, stack_updates, stacked_sum
-from raysim.vectorized import Cohort
+from raysim.training import new_client, partial_sum
+from raysim.vectorized import Cohort, group_sum, unstack
 
 
 class DataNotAttached(RuntimeError):
@@ -116,11 +116,7 @@ class ClientRunner:
                 done = plugin.client_update_cohort(part, payload)
             else:
                 done = [getattr(plugin, method)(part[0], payload)]
-            stacked = None
-            if isinstance(done, CohortResult):  # stacked models: each one is cut out only where it is needed
-                each = not sums or any(self.adversaries.changes_model(c.cid, rnd, method) for c in part)
-                stacked = None if each else done.update
-                done = done.split(updates=each)
+            done, stacked = unstack(done, sums, any(self.adversaries.changes_model(c.cid, rnd, method) for c in part))
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
                 result = self.adversaries.after(client, payload, result, rnd, method)
@@ -136,9 +132,7 @@ class ClientRunner:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
                                        "client_state = True, so the state would be lost")
             if sums and vectorized:  # the group's sum, made here, on the device it trained on
-                mine = results[len(results) - len(part):]
-                update = stacked if stacked is not None else stack_updates([r.update for r in mine])
-                results[len(results) - len(part):] = [stacked_sum(update, mine)]
+                results[len(results) - len(part):] = [group_sum(stacked, results[len(results) - len(part):])]
         if sums and not vectorized:
             results = [partial_sum(block) for block in _split(results, blocks)]
         results = [pack(r) for r in results]

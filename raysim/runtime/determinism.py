@@ -7,8 +7,9 @@ some of them, and some cuBLAS reductions, add in an order that varies. Measured 
 settings below in every process they were identical, and client training took 17-30 %
 longer. On CPU torch's kernels are deterministic already; the settings cost nothing there.
 
-`warn_only=True`: an op torch has no deterministic CUDA kernel for warns (in the actor's
-log) instead of stopping the run mid-way; raysim's own code uses none of them.
+`warn_only=True`: an op torch has no deterministic CUDA kernel for warns, naming itself, in
+the actor's log instead of stopping the run mid-way (a plugin may use one): such a run's bits
+are not promised.
 """
 from __future__ import annotations
 

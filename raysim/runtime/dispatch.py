@@ -72,6 +72,7 @@ class Dispatch:
         total = ray.cluster_resources()
         self.why = placement.why_actors(cfg, self.n_actors, total.get("CPU", 0), total.get("GPU", 0))  # for the run's log
         self.one_per_client = cfg.resources.clients_per_actor == 1
+        self.sum_block = sum_block(cfg)  # clients per sum made in the actors (0: each client's result)
         self._ready = [a.device_info.remote() for a in self.actors]
         self.record = None  # the run record (runtime/record.py): `client` rows and `log` lines; set by the server
         self.states: dict[int, ray.ObjectRef] = {}  # client id -> its state
@@ -119,10 +120,10 @@ class Dispatch:
             self.record.log(f"round {rnd}: faults.crash_client={faults.crash_client} is not training "
                             "this round (not selected, or dropped out), so no actor crashes")
         vectorized = training and bool(self.cfg.local.vectorize)
-        sums = training and sum_block(self.cfg) > 0  # a block's results come back as one sum
+        sums = training and self.sum_block > 0  # a block's results come back as one sum
         # blocks of consecutive clients placed whole: vectorised groups, or partial sums' blocks
         # (one size for both: the config checks), so neither depends on the number of actors
-        block = int(self.cfg.local.vectorize_group) if vectorized else sum_block(self.cfg) if sums else 0
+        block = int(self.cfg.local.vectorize_group) if vectorized else self.sum_block if sums else 0
         pieces = [(a, piece, blocks) for a, chunk, blocks in placement.plan(cids, work, self.n_actors,
                                                                              self.one_per_client, block)
                   for piece in pipeline(chunk, blocks, tasks_per_actor(self.cfg.resources, size))]
