@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Callable, Optional
 
 from raysim.errors import ConfigError
@@ -113,7 +114,9 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     number to a wake-up pipe; a watcher thread reads it and exits, stopping the processes
     this one started (a half-started local Ray). The same watcher ends the process with
     `meanwhile`'s exit code when that work, done, says so (a typo found while Ray starts
-    costs no wait for Ray). Outside the main thread: a plain block."""
+    costs no wait for Ray). `ray.init` puts its own SIGTERM handler in place (it exits with
+    15) while it runs: a SIGTERM that reaches that one first ends the block the same way (a
+    race the suite lost twice in seven runs). Outside the main thread: a plain block."""
     import select
     import signal
 
@@ -124,6 +127,13 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     os.set_blocking(w, False)
     previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     done = threading.Event()
+    ending = threading.Lock()
+
+    def interrupted() -> None:  # the watcher or the main thread, whichever comes first; one line
+        if ending.acquire(blocking=False):
+            print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
+            _stop_children()
+            os._exit(130)
 
     def watch() -> None:
         waiting = [r] + ([meanwhile] if meanwhile is not None else [])
@@ -132,9 +142,7 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
             if r in ready:
                 got = os.read(r, 64)
                 if not done.is_set() and (signal.SIGINT in got or signal.SIGTERM in got):
-                    print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
-                    _stop_children()
-                    os._exit(130)
+                    interrupted()
             if meanwhile is not None and meanwhile in ready:
                 waiting.remove(meanwhile)
                 code = meanwhile.done()
@@ -148,6 +156,11 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     watcher.start()
     try:
         yield
+    except SystemExit as e:  # ray.init installs a SIGTERM handler that exits 15: the watcher's race, lost
+        if e.code != signal.SIGTERM:
+            raise
+        interrupted()
+        time.sleep(60)  # the watcher is ending the process
     finally:
         done.set()
         signal.set_wakeup_fd(previous)
