@@ -58,21 +58,23 @@ class ClientRunner:
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = ray.get(data_refs)
-        home = self.device  # where the whole training set lives in this actor
-        if "folder" in arrays:  # data_store=files: the manifest; map the files (data/store.py)
+        if "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
             from raysim.data import store
 
-            arrays, home = store.open_arrays(arrays), torch.device("cpu")  # a client's shard goes to the device
-        with warnings.catch_warnings():  # object-store arrays and mapped files are read-only; we never write them
-            warnings.simplefilter("ignore", UserWarning)
-            self.x = torch.from_numpy(arrays["x_train"]).to(home)
-            self.y = torch.from_numpy(arrays["y_train"]).to(home)
+            self.x = store.Rows(arrays, "x_train")
+            self.y = torch.from_numpy(np.array(store.open_arrays(arrays)["y_train"]))  # labels: small, read whole
+            shape = self.x.shape[1:]
+        else:
+            with warnings.catch_warnings():  # object-store arrays are read-only; we never write them
+                warnings.simplefilter("ignore", UserWarning)
+                self.x = torch.from_numpy(arrays["x_train"]).to(self.device)  # moved to a GPU once, whole
+                self.y = torch.from_numpy(arrays["y_train"]).to(self.device)
+            shape = tuple(arrays["x_train"].shape[1:])
         self.train_index = train_index
         self.num_classes = num_classes
         self.seed = int(self.cfg.seed)  # read once: an OmegaConf lookup costs ~25 us, per client adds up
         self.crash = (int(self.cfg.faults.crash_round), int(self.cfg.faults.crash_client))
         self.pixels = (pixel_max, norm)  # images stay uint8 here; a client's shard is decoded when it trains
-        shape = tuple(arrays["x_train"].shape[1:])
         self.plugins = {
             "algorithm": ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, shape),
             "selection": SELECTIONS.get(self.cfg.selection)(self.cfg, int(self.cfg.num_clients), num_classes),
@@ -146,8 +148,7 @@ class ClientRunner:
         if (rnd, cid) == self.crash:
             os._exit(1)  # injected fault: this worker process dies mid-round
         if x is None:
-            idx = torch.from_numpy(np.asarray(self.train_index[cid])).to(self.x.device)
-            x, y = model_inputs(self.x[idx].to(self.device), *self.pixels), self.y[idx].to(self.device)
+            x, y = self._rows(np.asarray(self.train_index[cid]))
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
                           n_epochs, self.transform, self.seed)
 
@@ -155,13 +156,22 @@ class ClientRunner:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
         gathered and decoded once for the group; each client's shard a view of them."""
         shards = [np.asarray(self.train_index[cid]) for cid, _, _ in part]
-        rows = torch.from_numpy(np.concatenate(shards)).to(self.x.device)
-        x, y = model_inputs(self.x[rows].to(self.device), *self.pixels), self.y[rows].to(self.device)
+        x, y = self._rows(np.concatenate(shards))
         clients, at = [], 0
         for (cid, n_epochs, state), shard in zip(part, shards):
             clients.append(self._client(rnd, cid, n_epochs, state, x[at:at + len(shard)], y[at:at + len(shard)]))
             at += len(shard)
         return Cohort(clients, x, y)
+
+    def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training samples `rows`, decoded, on the device: gathered from the arrays this actor
+        holds, or (`data_store=files`) read from the files now."""
+        if isinstance(self.x, torch.Tensor):
+            x = self.x[torch.from_numpy(rows).to(self.x.device)]
+        else:
+            x = torch.from_numpy(self.x.take(rows))
+        y = self.y[torch.from_numpy(rows).to(self.y.device)]
+        return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
