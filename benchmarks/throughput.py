@@ -56,6 +56,10 @@ WORKLOADS = {
     "cnn-1000x500-files": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid",
                            "model=cnn", "num_clients=1000", "clients_per_round=10", "rounds=6", "local.batch_size=64",
                            "local.lr=0.01", "local.momentum=0.9", "data_store=files"],
+    # the same cohort's work as cnn with float32 features (the plain loop's side of vs_flower.py's cnn-1000-f32)
+    "cnn-f32": ["dataset=bench_images", "bench_images.samples_per_client=500", "bench_images.dtype=float32",
+                "partition=iid", "model=cnn", "num_clients=100", "clients_per_round=10", "rounds=5",
+                "local.batch_size=64", "local.lr=0.01", "local.momentum=0.9"],
     # start-up time and memory at scale
     "mclr-1000": [*SYNTH, "num_clients=1000", "rounds=3"],
     "mclr-10000": [*SYNTH, "num_clients=10000", "rounds=3"],

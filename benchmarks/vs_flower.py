@@ -34,14 +34,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-WORKLOADS = ("mclr", "cnn", "cnn-1000")
+WORKLOADS = ("mclr", "cnn", "cnn-1000", "cnn-1000-f32")
+STORE_DIR = "RAYSIM_BENCH_STORE_DIR"  # cnn-1000-f32: a fresh folder for raysim's files, so its run writes them
 
 
-def overrides(name: str) -> list[str]:
+def overrides(name: str, side: str = "raysim") -> list[str]:
+    """The workload's config. cnn-1000-f32 (issue 42): 1,000 clients x 500 float32 3x32x32
+    samples, 5.7 GB; raysim keeps them in files (`data_store=files`, written by its run into a
+    fresh folder), Flower's workers each make them in memory as raysim's loaders give them."""
     import throughput
 
     if name == "cnn-1000":  # 1,000 clients x 500 images: 1.5 GB of uint8 pixels
         return [o if not o.startswith("num_clients=") else "num_clients=1000" for o in throughput.overrides("cnn")]
+    if name == "cnn-1000-f32":
+        files = ["data_store=files", f"data_store_dir={os.environ.get(STORE_DIR, '')}"] if side == "raysim" else []
+        return [*overrides("cnn-1000"), "bench_images.dtype=float32", *files]
     return throughput.overrides(name)
 
 
@@ -60,7 +67,7 @@ def flower(name: str) -> dict:
 
     from raysim.config import clients_per_round, load_config
 
-    cfg = load_config(overrides=overrides(name))
+    cfg = load_config(overrides=overrides(name, "flower"))
     n, k, rounds = int(cfg.num_clients), clients_per_round(cfg), int(cfg.rounds)
     marks: list[float] = []
 
@@ -128,7 +135,7 @@ class BenchClient(NumPyClient):
             from raysim.models import build_model
 
             torch.set_num_threads(1)
-            cfg = load_config(overrides=overrides(os.environ["BENCH_WORKLOAD"]))
+            cfg = load_config(overrides=overrides(os.environ["BENCH_WORKLOAD"], "flower"))
             data, part, classes = prepare(cfg)
             _CACHE.update(cfg=cfg, x=torch.from_numpy(data.x_train), y=torch.from_numpy(data.y_train), data=data,
                           shards=[torch.from_numpy(ix) for ix in part.train],
@@ -156,6 +163,7 @@ def measure(name: str, flower_python: str) -> dict:
                OMP_NUM_THREADS="1", BENCH_WORKLOAD=name)
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
+        env[STORE_DIR] = str(Path(tmp) / "arrays")
         r, peak = throughput.run_measured([sys.executable, "-m", "raysim.run", "--quiet", *overrides(name),
                                            f"output_dir={tmp}", "run_name=r"], env)
         if r.returncode != 0:
@@ -166,7 +174,8 @@ def measure(name: str, flower_python: str) -> dict:
         summary = json.loads((Path(tmp) / "r" / "summary.json").read_text())
         res["raysim"] = {"round_seconds": [row["seconds"] for row in rows], "peak_rss": peak[0],
                          "seconds_to_end_of_round_1": summary["seconds_to_end_of_round_1"]}
-    seq = "mclr" if name == "mclr" else "cnn"  # the plain loop at 1,000 clients does the same work as at 100
+    # the plain loop at 1,000 clients does the same work as at 100
+    seq = {"mclr": "mclr", "cnn-1000-f32": "cnn-f32"}.get(name, "cnn")
     r, peak = throughput.run_measured([sys.executable, str(HERE / "throughput.py"), "--sequential", seq], env)
     if r.returncode != 0:
         raise SystemExit(f"plain loop failed:\n{r.stderr[-3000:]}")

@@ -227,9 +227,38 @@ class InMemory:
         self.arrays[name] = np.ascontiguousarray(array)
 
 
+class _BlockHashes:
+    """The 64 MB blocks' SHA-256 of bytes written in order (`feed`), made as they are
+    written; `blocks()` is None when the writes were not one pass in order (then the file is
+    read back to hash it)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.at, self.done, self.part, self.filled, self.in_order = nbytes, 0, [], hashlib.sha256(), 0, True
+
+    def feed(self, at: int, view: memoryview) -> None:
+        if not self.in_order or at != self.at:
+            self.in_order = False
+            return
+        self.at += len(view)
+        while len(view):
+            take = min(BLOCK - self.filled, len(view))
+            self.part.update(view[:take])
+            self.filled, view = self.filled + take, view[take:]
+            if self.filled == BLOCK:
+                self.done.append(self.part.hexdigest())
+                self.part, self.filled = hashlib.sha256(), 0
+
+    def blocks(self) -> Optional[list[str]]:
+        if not self.in_order or self.at != self.nbytes:
+            return None
+        return self.done + [self.part.hexdigest()] if self.filled or not self.done else self.done
+
+
 class _FileArray:
     """A `.npy` file being written by slices of rows (`a[i:j] = rows`, `a[...] = whole`):
-    positioned writes, so the writer's memory holds one chunk at a time, not the file."""
+    positioned writes by a thread of its own, so the generator makes the next chunk while
+    the disk takes this one (two chunks queued at most), and the writer's memory holds a
+    few chunks, never the file. Blocks written in order are hashed as they go."""
 
     def __init__(self, path: Path, shape: tuple, dtype):
         self.path, self.shape, self.dtype = path, tuple(int(n) for n in shape), np.dtype(dtype)
@@ -238,8 +267,12 @@ class _FileArray:
             np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
                                                      "fortran_order": False, "shape": self.shape})
             self.offset = f.tell()
-            f.truncate(self.offset + self.row * (self.shape[0] if self.shape else 1))
+            f.truncate(self.offset + self.row * self.shape[0])
         self.fd = os.open(path, os.O_WRONLY)
+        self.hashes = _BlockHashes(self.row * self.shape[0])
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="raysim-write")
+        self._queued: list = []
+        self._spare: list = []  # chunk buffers written, to be filled again
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -251,14 +284,33 @@ class _FileArray:
             raise IndexError(f"{self.path.name}: write whole rows by a slice a[i:j], got {key!r}")
         start, stop, _ = key.indices(len(self))
         stop = max(start, stop)
-        data = np.ascontiguousarray(np.broadcast_to(np.asarray(value, self.dtype), (stop - start, *self.shape[1:])))
-        view, at = memoryview(data.reshape(-1)).cast("B"), self.offset + start * self.row
+        while len(self._queued) >= 2:
+            self._queued.pop(0).result()
+        shape = (stop - start, *self.shape[1:])
+        fits = [i for i, b in enumerate(self._spare) if b.shape == shape]
+        data = self._spare.pop(fits[0]) if fits else np.empty(shape, self.dtype)  # reused: fresh pages cost more
+        np.copyto(data, np.asarray(value), casting="same_kind")  # ours: the caller may reuse its buffer meanwhile
+        self._queued.append(self._thread.submit(self._write, data, start * self.row))
+
+    def _write(self, data: np.ndarray, at: int) -> None:
+        view = memoryview(data.reshape(-1)).cast("B")
+        self.hashes.feed(at, view)
+        at += self.offset
         while len(view):
             got = os.pwrite(self.fd, view, at)
             view, at = view[got:], at + got
+        self._spare.append(data)
 
     def close(self) -> None:
-        if self.fd is not None:
+        """Wait for the queued writes (raising their error, if any) and close the file."""
+        if self.fd is None:
+            return
+        try:
+            for f in self._queued:
+                f.result()
+        finally:
+            self._queued.clear()
+            self._thread.shutdown()
             os.close(self.fd)
             self.fd = None
 
@@ -285,13 +337,13 @@ class Writer(InMemory):
         self.array(name, array.shape, array.dtype)[...] = array
 
     def finish(self) -> dict:
-        """Close and hash the files written here (read back from the page cache), and move
-        them into place; their manifest."""
+        """Close the files written here, hash those not hashed as written (reading them back),
+        and move them into place; their manifest."""
         entries = {}
         for name, a in sorted(self.arrays.items()):
             a.close()
             entries[name] = {"shape": list(a.shape), "dtype": a.dtype.str,
-                             "blocks": list(_file_blocks(a.path).values())}
+                             "blocks": a.hashes.blocks() or list(_file_blocks(a.path).values())}
         self.arrays.clear()
         return self.install(entries)
 
@@ -314,7 +366,10 @@ class Writer(InMemory):
     def abandon(self) -> None:
         for a in self.arrays.values():
             if isinstance(a, _FileArray):
-                a.close()
+                try:
+                    a.close()
+                except OSError:
+                    pass
         self.arrays.clear()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
