@@ -43,6 +43,12 @@ class BenchImages:
         return {"seed": int(cfg.seed), "num_clients": int(cfg.num_clients), **OmegaConf.to_container(cfg.bench_images)}
 
     @staticmethod
+    def train_bytes(cfg) -> int:
+        b = cfg.bench_images
+        n = int(cfg.num_clients) * int(b.samples_per_client)
+        return n * (int(b.channels) * int(b.size) ** 2 * (1 if b.dtype == "uint8" else 4) + 8)
+
+    @staticmethod
     def generate(cfg, out) -> None:
         """Chunk i of the training set is drawn from its own generator, seeded (seed, i), a few
         chunks at once on threads (numpy's generators release the GIL), written in order."""

@@ -35,19 +35,19 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 WORKLOADS = ("mclr", "cnn", "cnn-1000", "cnn-1000-f32")
-STORE_DIR = "RAYSIM_BENCH_STORE_DIR"  # cnn-1000-f32: a fresh folder for raysim's files, so its run writes them
 
 
-def overrides(name: str, side: str = "raysim") -> list[str]:
+def overrides(name: str, side: str = "raysim", store_dir: str = "<a fresh folder>") -> list[str]:
     """The workload's config. cnn-1000-f32 (issue 42): 1,000 clients x 500 float32 3x32x32
-    samples, 5.7 GB; raysim keeps them in files (`data_store=files`, written by its run into a
-    fresh folder), Flower's workers each make them in memory as raysim's loaders give them."""
+    samples, 5.7 GB; raysim keeps them in files (written by its run into a
+    fresh folder, by `data_store=auto`: 5.7 GB would crowd Ray's default store), Flower's workers
+    each make them in memory as raysim's loaders give them."""
     import throughput
 
     if name == "cnn-1000":  # 1,000 clients x 500 images: 1.5 GB of uint8 pixels
         return [o if not o.startswith("num_clients=") else "num_clients=1000" for o in throughput.overrides("cnn")]
-    if name == "cnn-1000-f32":
-        files = ["data_store=files", f"data_store_dir={os.environ.get(STORE_DIR, '')}"] if side == "raysim" else []
+    if name == "cnn-1000-f32":  # raysim's data_store=auto puts them in files: they would crowd the object store
+        files = [f"data_store_dir={store_dir}"] if side == "raysim" else []
         return [*overrides("cnn-1000"), "bench_images.dtype=float32", *files]
     return throughput.overrides(name)
 
@@ -163,8 +163,8 @@ def measure(name: str, flower_python: str) -> dict:
                OMP_NUM_THREADS="1", BENCH_WORKLOAD=name)
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        env[STORE_DIR] = str(Path(tmp) / "arrays")
-        r, peak = throughput.run_measured([sys.executable, "-m", "raysim.run", "--quiet", *overrides(name),
+        r, peak = throughput.run_measured([sys.executable, "-m", "raysim.run", "--quiet",
+                                           *overrides(name, store_dir=str(Path(tmp) / "arrays")),
                                            f"output_dir={tmp}", "run_name=r"], env)
         if r.returncode != 0:
             raise SystemExit(f"raysim failed:\n{r.stderr[-3000:]}")

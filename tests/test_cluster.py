@@ -127,6 +127,26 @@ def test_two_node_run_spreads_actors_matches_one_node_and_exports_metrics(ray_lo
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+@pytest.mark.slow
+def test_both_nodes_read_the_training_data_from_files_a_folder_both_reach(ray_local, two_nodes, tmp_path):
+    """data_store=files on a cluster: `data_store_dir` is a folder every node reads (here the
+    machine's disk, which both nodes share); the actors on both nodes read their clients'
+    rows from the files, and the model is the one-node object-store run's, bit for bit."""
+    run = ["dataset=digits", "model=mlp", "num_clients=12", "participation=0.5", "rounds=3", "local.batch_size=16",
+           "resources.clients_per_actor=3", f"output_dir={tmp_path}", "--quiet"]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *run, f"ray.address={two_nodes['address']}",
+                        "data_store=files", f"data_store_dir={tmp_path / 'arrays'}", "run_name=files"],
+                       env=two_nodes["env"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "files" / "summary.json").read_text())
+    assert len(summary["client_actor_nodes"]) == 2, summary["client_actor_nodes"]
+    assert summary["client_updates"] == 3 * 6  # every client trained on rows it read, on either node
+    assert "GB in files under" in (tmp_path / "files" / "log.txt").read_text()
+    assert main([*run, "data_store=memory", "run_name=memory"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("files", "memory"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_actors_a_cluster_cannot_place_stop_the_run_after_the_placement_timeout(two_nodes, tmp_path):
     """A joined cluster may autoscale, so raysim waits for placement, but boundedly: 3-CPU
     actors on 2-CPU nodes end with one line once resources.placement_timeout passes, and

@@ -1,6 +1,7 @@
-"""The object store sized for the data: a local Ray the command started with Ray's default
-store is restarted once with a bigger one when the training data would crowd it (Ray spills
-what does not fit to disk and reads it back every round: 2.7x slower measured)."""
+"""No store to size by hand. With `data_store=auto` (the default) training data that would crowd
+the object store go to files instead (raysim/data/store.py); with `data_store=memory` a local
+Ray the command started with Ray's default store is restarted once with a bigger one (Ray
+spills what does not fit to disk and reads it back every round: 2.7x slower measured)."""
 import os
 import subprocess
 import sys
@@ -38,16 +39,28 @@ class BigVectors:
 '''
 
 
-def test_a_local_ray_is_restarted_with_a_store_that_fits_the_data(tmp_path):
+def test_data_that_would_crowd_the_store_go_to_files_or_with_memory_the_store_is_resized(tmp_path):
+    import torch
+
     (tmp_path / "big_plugin.py").write_text(PLUGIN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
                RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES=str(75 * 2**20))  # Ray's smallest store: 75 MiB
-    args = ["plugins=[big_plugin]", "dataset=big_vectors", "model=mclr", "rounds=1", "num_clients=4", "partition=iid"]
-    r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "run_name=sized"], capture_output=True,
+    args = ["plugins=[big_plugin]", "dataset=big_vectors", "model=mclr", "rounds=1", "num_clients=4", "partition=iid",
+            f"data_store_dir={tmp_path / 'arrays'}"]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "run_name=auto"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restarting" not in r.stderr and "note:" not in r.stderr, r.stderr  # data_store=auto: no store to size
+    log = (tmp_path / "runs" / "auto" / "log.txt").read_text()
+    assert f"GB in files under {tmp_path / 'arrays'}" in log and "(data_store=auto)" in log, log
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "data_store=memory", "run_name=sized"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "note: the training data (0.1 GB) would take 8" in r.stderr and "restarting it with 0.5 GB" in r.stderr, \
         r.stderr
     assert "take" not in r.stderr.split("restarting it with")[1].split("final accuracy")[0]  # no notice after it
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["sized"]  # the first attempt wrote nothing
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["auto", "sized"]  # the first attempt wrote nothing
+    assert "GB in Ray's object store (data_store=memory)" in (tmp_path / "runs" / "sized" / "log.txt").read_text()
+    a, b = (torch.load(tmp_path / "runs" / n / "model.pt", weights_only=True)["global"] for n in ("auto", "sized"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
     # a store the user set is theirs: said, not changed (tests/test_vectorized.py, ray.object_store_gb=0.1)

@@ -215,7 +215,7 @@ class Config:
     output_dir: str = "runs"
     run_name: Optional[str] = None  # default: <algorithm>-<dataset>-<timestamp>
     data_dir: str = "data"
-    data_store: str = "memory"  # memory: the training arrays in Ray's object store | files: memory-mapped files (raysim/data/store.py)
+    data_store: str = "auto"  # where the training arrays live: memory (Ray's object store) | files (raysim/data/store.py) | auto: files when they would crowd the store of a one-node Ray, else memory
     data_store_dir: Optional[str] = None  # data_store=files: where the files go (default $RAYSIM_CACHE_DIR/arrays); every node must read it
     download: bool = True
     input_scale: str = "standardize"  # images: standardize (per-channel mean / std) | unit (pixels in [0, 1])

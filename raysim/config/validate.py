@@ -159,8 +159,10 @@ def validate(cfg: DictConfig) -> None:
     need(r.num_cpus_per_actor is None or r.num_cpus_per_actor >= 0,
          f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
     need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
-    need(cfg.data_store in ("memory", "files"), f"data_store must be memory (Ray's object store) or files "
-                                                 f"(memory-mapped files), got {cfg.data_store!r}")
+    need(cfg.data_store_dir is None or str(cfg.data_store_dir).strip() != "",
+         "data_store_dir must be a folder (or null: $RAYSIM_CACHE_DIR/arrays), got an empty string")
+    need(cfg.data_store in ("auto", "memory", "files"), f"data_store must be auto, memory (Ray's object store) or "
+                                                         f"files (raysim/data/store.py), got {cfg.data_store!r}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
     need(r.tasks_per_actor is None or r.tasks_per_actor >= 1,
          f"resources.tasks_per_actor must be >= 1 (or null: chosen by the model's size and the GPU), got {r.tasks_per_actor}")

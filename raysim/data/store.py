@@ -47,6 +47,8 @@ from raysim.errors import ConfigError
 
 BLOCK = 64 * 2**20
 MANIFEST = "manifest.json"
+CROWDED = 0.7  # data_store=auto: files when the training data would take more of Ray's object store than this
+SPARE_DISK = 2**30  # what writing the files leaves free on their disk, at least
 READERS = 16  # positioned reads in flight at once (Rows): a disk serves scattered rows faster so
 PIECE = 4 * 2**20  # a run of consecutive rows is read in pieces of at most this many bytes
 
@@ -56,6 +58,37 @@ def root(cfg) -> Path:
     from raysim.data.cache import cache_dir
 
     return Path(cfg.data_store_dir).expanduser() if cfg.data_store_dir else cache_dir() / "arrays"
+
+
+def choose(cfg, data_bytes: Optional[int]) -> str:
+    """Where a run keeps its training arrays: `data_store`, or for `auto` files when the
+    arrays (`data_bytes`) would take more than `CROWDED` of the object store of a one-node
+    Ray (the store is sized when Ray starts; spilling slows every round), else memory. On
+    several nodes auto keeps memory: the object store ships the arrays to each node once,
+    while files need `data_store_dir` to be a folder every node reads (say so with
+    data_store=files). Without Ray (a script's `prepare`) or a size: memory."""
+    if cfg.data_store != "auto":
+        return cfg.data_store
+    import ray
+
+    if not data_bytes or not ray.is_initialized():
+        return "memory"
+    store_bytes = ray.cluster_resources().get("object_store_memory", 0)
+    one_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    return "files" if one_node and store_bytes and data_bytes > CROWDED * store_bytes else "memory"
+
+
+def need_room(where: Path, nbytes: int) -> None:
+    """One line, before anything is written, when the disk under `where` has no room for
+    `nbytes` of training data (and `SPARE_DISK` more)."""
+    at = where
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    free = shutil.disk_usage(at).free
+    if nbytes + SPARE_DISK > free:
+        raise ConfigError(f"data_store=files: the training data need {nbytes / 2**30:.1f} GB under {where}, whose "
+                          f"disk has {free / 2**30:.1f} GB free (1 GB is left spare); set data_store_dir to a folder "
+                          "with room for them")
 
 
 def _hash_blocks(buffer: memoryview) -> list[str]:
@@ -94,6 +127,7 @@ def put(arrays: dict[str, np.ndarray], where: Path) -> dict:
     manifest = find(where, content)
     if manifest is not None:
         return manifest
+    need_room(where, sum(a.nbytes for a in arrays.values()))
     writer = Writer(where, content)
     try:
         for name, a in arrays.items():
@@ -386,10 +420,12 @@ def find(where: Path, name: str) -> Optional[dict]:
 
 
 def generated(cls, cfg) -> tuple[dict[str, np.ndarray], Optional[dict]]:
-    """The arrays of a dataset class that makes them in chunks (`generate`): with
-    `data_store=files` written once into files per `arrays_key(cfg)` and mapped (their
-    manifest returned too), else made in memory (manifest None)."""
-    if cfg.data_store != "files":
+    """The arrays of a dataset class that makes them in chunks (`generate`): in files
+    (`choose`; the class's `train_bytes(cfg)`, if it has one, is the size auto goes by),
+    written once per `arrays_key(cfg)` and mapped (their manifest returned too), else made in
+    memory (manifest None)."""
+    size = cls.train_bytes(cfg) if hasattr(cls, "train_bytes") else None
+    if choose(cfg, size) != "files":
         out = InMemory()
         cls.generate(cfg, out)
         return out.arrays, None
@@ -398,6 +434,8 @@ def generated(cls, cfg) -> tuple[dict[str, np.ndarray], Optional[dict]]:
     where = root(cfg)
     manifest = find(where, name)
     if manifest is None:
+        if size:
+            need_room(where, size)
         writer = Writer(where, name)
         try:
             cls.generate(cfg, writer)

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from raysim.attacks import Adversaries
 from raysim.contract import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record
+from raysim.data import store
 from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy
 from raysim.errors import RunDiverged
@@ -89,9 +90,8 @@ class FederatedServer:
             self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         arrays = {"x_train": data.x_train, "y_train": data.y_train}
         files = None
-        if self.cfg.data_store == "files":  # written once, mapped by every process: data/store.py
-            from raysim.data import store
-
+        self.data_store = "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values()))
+        if self.data_store == "files":  # written once, read by every process: data/store.py
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
             arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
             data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
@@ -114,6 +114,9 @@ class FederatedServer:
         data_bytes, store_bytes = data.x_train.nbytes + data.y_train.nbytes, ray.cluster_resources().get(
             "object_store_memory", 0)
         self.store_notice = placement.store_notice(data_bytes, store_bytes) if files is None else None
+        self.data_where = (f"training data: {data_bytes / 2**30:.2f} GB in "
+                           + (f"files under {files['folder']}" if files else "Ray's object store")
+                           + f" (data_store={self.cfg.data_store})")
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
                 "data_bytes": int(data_bytes) if files is None else 0,  # what the object store holds of the data
                 "store_bytes": float(store_bytes),
@@ -131,6 +134,7 @@ class FederatedServer:
         d.record = self.record
         self.record.log(f"{d.n_actors} client actors ({d.needs} each) for {self.num_clients} clients ({d.why})"
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
+        self.record.log(self.data_where)
         if self.store_notice:
             self.record.log(f"note: {self.store_notice}")
         if self.accountant is not None:
