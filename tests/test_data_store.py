@@ -77,3 +77,52 @@ def test_a_generator_writes_its_arrays_straight_into_files_once_with_the_memory_
         assert all(torch.equal(x[k], y[k]) for k in x), (a, b)
     lt, full = _model(tmp_path / "lt-m"), _model(tmp_path / "m")
     assert not all(torch.equal(lt[k], full[k]) for k in lt)  # the long tail did train on other data
+
+
+def test_rows_read_in_place_equal_indexing_and_hashes_made_while_writing_equal_the_files(tmp_path):
+    """`Rows.take` (positioned reads, runs of consecutive rows, segments of files) gives what
+    numpy indexing gives, in the order asked; a generator's files are hashed as written."""
+    import numpy as np
+
+    from raysim.data import store
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3000, 2, 5), dtype=np.float32)
+    w = store.Writer(tmp_path, "t")
+    out = w.array("x_train", x.shape, x.dtype)
+    for a in range(0, len(x), 700):  # in order, in chunks that do not divide the rows
+        out[a:a + 700] = x[a:a + 700]
+    w.put("y_train", np.arange(len(x)))
+    manifest = w.finish()
+    assert manifest["arrays"]["x_train"]["blocks"] == list(store._file_blocks(tmp_path / "t" / "x_train.npy").values())
+    rows = store.Rows(manifest, "x_train")
+    for idx in [rng.permutation(3000)[:500], np.arange(10, 2990), np.r_[7, 8, 9, 2999, 0, 1, 1], np.zeros(0, int)]:
+        assert np.array_equal(rows.take(idx), x[idx])
+    # the same rows as two segments of one file (an Arrow cache's record batches are such)
+    entry = manifest["arrays"]["x_train"]
+    path, at, row = str(tmp_path / "t" / "x_train.npy"), rows.offsets[0], rows.row
+    two = {"arrays": {"x": store.outside([[path, int(at), 1000], [path, int(at + 1000 * row), 2000]], (2, 5),
+                                         np.float32, 3000)}}
+    split = store.StoredArray(two, "x")
+    idx = rng.permutation(3000)
+    assert np.array_equal(split[idx], x[idx]) and np.array_equal(np.asarray(split), x) and split.shape == x.shape
+    assert entry["shape"] == [3000, 2, 5]
+
+
+def test_data_the_disk_has_no_room_for_are_one_line_before_anything_is_written(ray_local, tmp_path, capfd):
+    """bench_images with more float32 3x32x32 samples than the test's disk has room for:
+    data_store=auto picks files (they would crowd any object store), and the disk has no room:
+    one line naming the folder, the size and what is free; no run directory, no file."""
+    import shutil
+
+    per_client = 500 * (3 * 32 * 32 * 4 + 8)  # bytes: 500 samples and their labels
+    clients = (shutil.disk_usage(tmp_path).free + 2 * 2**30) // per_client + 1  # more than the disk holds
+    common = ["plugins=[bench_plugin]", "dataset=bench_images", "bench_images.dtype=float32", "model=cnn",
+              f"num_clients={clients}", "partition=iid", "rounds=1", f"output_dir={tmp_path / 'runs'}",
+              f"data_store_dir={tmp_path / 'arrays'}", "--quiet"]
+    capfd.readouterr()
+    assert main(common) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    need = f"the training data need {clients * per_client / 2**30:.1f} GB under {tmp_path / 'arrays'}, whose disk has"
+    assert len(err) == 1 and need in err[0] and "GB free" in err[0] and "data_store_dir" in err[0], err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "arrays").exists()

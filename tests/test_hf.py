@@ -130,3 +130,45 @@ def test_a_hub_id_offline_and_a_missing_extra_are_one_line(tmp_path, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'raysim\[hf\]'"):
         load_config(overrides=["dataset=hf", "hf.path=x/y"])
+
+
+def test_a_column_of_numbers_is_read_from_the_arrow_cache_in_place(ray_local, tmp_path):
+    """hf.feature_column (Array3D float32): with data_store=files the training inputs stay in
+    the Arrow files `datasets` keeps (here 3 shards; one segment per record batch, read by the
+    client actors; raysim writes only the labels), and the model is the memory path's, bit
+    for bit."""
+    import torch
+
+    from raysim.data.datasets import load_dataset
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 3, 4, 4)).astype(np.float32)
+    labels = (x[:, 0, 0, 0] > 0).astype(np.int64) + 2 * (x[:, 1, 0, 0] > 0)
+    features = datasets.Features({"x": datasets.Array3D(shape=(3, 4, 4), dtype="float32"),
+                                  "label": datasets.ClassLabel(num_classes=4)})
+
+    def rows(a, b):
+        for i in range(a, b):
+            yield {"x": x[i].tolist(), "label": int(labels[i])}
+
+    folder = tmp_path / "numbers"
+    train = datasets.Dataset.from_generator(rows, gen_kwargs={"a": 0, "b": 160}, features=features,
+                                            cache_dir=str(tmp_path / "gen"), writer_batch_size=16)
+    test = datasets.Dataset.from_generator(rows, gen_kwargs={"a": 160, "b": 200}, features=features,
+                                           cache_dir=str(tmp_path / "gen"))
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(folder), num_shards={"train": 3, "test": 1})
+
+    common = ["dataset=hf", f"hf.path={folder}", "hf.feature_column=x", "model=mclr", "num_clients=5",
+              "rounds=2", "local.lr=0.1", f"data_store_dir={tmp_path / 'arrays'}", f"output_dir={tmp_path / 'runs'}"]
+    cfg = load_config(overrides=[*common, "data_store=files"])
+    data = load_dataset(cfg)
+    entry = data.stored["arrays"]["x_train"]
+    assert {p for p, _, _ in entry["segments"]} <= {str(p) for p in folder.rglob("*.arrow")}
+    assert len(entry["segments"]) >= 3 and sum(n for _, _, n in entry["segments"]) == 160  # a record batch each
+    assert np.array_equal(np.asarray(data.x_train), x[:160]) and np.array_equal(data.x_test, x[160:])
+    assert main([*common, "data_store=files", "run_name=files", "--quiet"]) == 0
+    assert main([*common, "data_store=memory", "run_name=memory", "--quiet"]) == 0
+    a, b = (torch.load(tmp_path / "runs" / n / "model.pt", weights_only=True)["global"] for n in ("files", "memory"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    written = sorted(p.name for p in (tmp_path / "arrays").rglob("*.npy"))
+    assert written == ["y_train.npy"], written  # the inputs were not copied

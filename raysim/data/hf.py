@@ -13,6 +13,9 @@ What comes out is what every raysim dataset is (`FederatedData`), so every parti
   Hugging Face tokenizer (needs `transformers`); else a vocabulary of the training split's
   `hf.vocab_size` most frequent words (0 padding, 1 unknown; LEAF's Sent140 tokens), for the
   `lstm` model;
+- numbers (`hf.feature_column`: Array2D / Array3D, a fixed-length Sequence) as stored, and
+  read in place: with `data_store` files or auto (on one node) the client actors read their
+  rows straight from the Arrow cache files `datasets` keeps (data/store.py), no copy made;
 - labels (`hf.label_column`): a `ClassLabel`'s ids, or the sorted distinct values of both
   splits mapped to 0..K-1;
 - `hf.partition_column` (a writer id, a user): `partition=natural` gives each value a client
@@ -37,6 +40,7 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig
 
+from raysim.data import store
 from raysim.data.datasets import FederatedData, _scaling
 from raysim.errors import ConfigError
 from raysim.options import Options, option
@@ -53,6 +57,7 @@ class HFOptions(Options):
     split_test: str = "test"
     image_column: Optional[str] = None  # default: the first Image column
     text_column: Optional[str] = None  # a text dataset: the column of the text
+    feature_column: Optional[str] = None  # a column of fixed-shape numbers (Array2D/3D, a fixed-length Sequence): the inputs as stored
     label_column: str = "label"
     partition_column: Optional[str] = None  # partition=natural: each value is a client (a writer, a user)
     cache_dir: Optional[str] = None  # the hub's download cache (default <data_dir>/hf)
@@ -67,8 +72,9 @@ class HFOptions(Options):
         if not self.path:
             raise ConfigError("dataset=hf needs hf.path: a hub id (e.g. uoft-cs/cifar10) or a local folder of "
                               "parquet / csv / json / arrow files")
-        if self.image_column and self.text_column:
-            raise ConfigError("hf.image_column and hf.text_column: give one (an image or a text dataset)")
+        if sum(bool(c) for c in (self.image_column, self.text_column, self.feature_column)) > 1:
+            raise ConfigError("hf.image_column, hf.text_column, hf.feature_column: give one (images, text or "
+                              "numbers)")
         if self.tokenizer and importlib.util.find_spec("transformers") is None:
             raise ConfigError(f"hf.tokenizer={self.tokenizer}: named tokenizers come from transformers: "
                               "pip install transformers (or leave hf.tokenizer unset for a vocabulary)")
@@ -182,6 +188,23 @@ def _images(ds, column: str) -> np.ndarray:
     return x[:, None] if x.ndim == 3 else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
 
+def _features(cfg: DictConfig, ds, column: str, share: bool = True) -> tuple:
+    """The inputs of a column of fixed-shape numbers and, where they can be read in place
+    (`share`, data_store not memory, the split is its cache files' rows in order, the
+    column one shape of plain numbers without nulls), the manifest entry that reads them
+    from Hugging Face's Arrow cache files without a copy (data/store.py); else a copy."""
+    if share and store.in_place(cfg) and ds._indices is None and ds.cache_files:
+        found = store.arrow_segments([f["filename"] for f in ds.cache_files], column)
+        if found is not None and sum(n for _, _, n in found[0]) == len(ds):
+            entry = store.outside(*found, rows=len(ds))
+            return store.StoredArray({"arrays": {column: entry}}, column), entry
+    x = np.asarray(ds.with_format("numpy", columns=[column])[:][column])
+    if x.dtype == object or not (np.issubdtype(x.dtype, np.number)):
+        raise ConfigError(f"hf.feature_column={column}: rows of one shape of numbers are needed (Array2D, Array3D, a "
+                          f"fixed-length Sequence), got {x.dtype} {x.shape}")
+    return np.ascontiguousarray(x), None
+
+
 def _labels(train, test, column: str) -> tuple[np.ndarray, np.ndarray, int]:
     import datasets
 
@@ -273,7 +296,12 @@ class HuggingFace:
             users_train, users_test = _owners(train, test, _column(train, o.partition_column, "the owners",
                                                                    "partition_column"))
         norm = pixel_max = None
-        if o.text_column:
+        stored = None
+        if o.feature_column:
+            column = _column(train, o.feature_column, "the inputs", "feature_column")
+            x_train, stored = _features(cfg, train, column)
+            x_test = np.asarray(_features(cfg, test, column, share=False)[0])
+        elif o.text_column:
             text = _column(train, o.text_column, "the text", "text_column")
             x_train, x_test = _token_ids(cfg, train[text], test[text])
         else:
@@ -295,9 +323,14 @@ class HuggingFace:
         if users_train is not None and cfg.partition.name == "natural":  # the first num_clients owners, as LEAF's
             keep = users_train < int(cfg.num_clients)
             x_train, y_train, users_train = x_train[keep], y_train[keep], users_train[keep]
+            stored = None  # a subset: read out of the cache, no longer its rows
             if users_test is not None:
                 keep = (users_test >= 0) & (users_test < int(cfg.num_clients))
                 x_test, y_test, users_test = x_test[keep], y_test[keep], users_test[keep]
+        if stored is not None:  # the labels next to them, in raysim's files (small: 8 bytes a sample)
+            labels = store.put({"y_train": y_train}, store.root(cfg))
+            stored = {**labels, "arrays": {**labels["arrays"], "x_train": stored}}
+            y_train = store.open_arrays(labels)["y_train"]
         return FederatedData("hf", x_train, y_train, x_test, y_test, n_classes, users_train=users_train,
-                             users_test=users_test, norm=norm, pixel_max=pixel_max,
+                             users_test=users_test, norm=norm, pixel_max=pixel_max, stored=stored,
                              label_source=tuple(f"hf.label_column={label} ({s})" for s in (o.split_train, o.split_test)))

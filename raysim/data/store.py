@@ -50,6 +50,7 @@ MANIFEST = "manifest.json"
 CROWDED = 0.7  # data_store=auto: files when the training data would take more of Ray's object store than this
 SPARE_DISK = 2**30  # what writing the files leaves free on their disk, at least
 READERS = 16  # positioned reads in flight at once (Rows): a disk serves scattered rows faster so
+RANDOM = True
 PIECE = 4 * 2**20  # a run of consecutive rows is read in pieces of at most this many bytes
 
 
@@ -76,6 +77,17 @@ def choose(cfg, data_bytes: Optional[int]) -> str:
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     one_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
     return "files" if one_node and store_bytes and data_bytes > CROWDED * store_bytes else "memory"
+
+
+def in_place(cfg) -> bool:
+    """Whether data already in files of their own format (an Arrow cache) are read where they
+    are: data_store=files, or auto on one node (on several, auto ships them by the object
+    store: their folder may not be on every node)."""
+    if cfg.data_store != "auto":
+        return cfg.data_store == "files"
+    import ray
+
+    return not ray.is_initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
 
 def need_room(where: Path, nbytes: int) -> None:
@@ -149,6 +161,8 @@ def check(manifest: dict) -> None:
     and for any other, every block's (a file changed in place has a new time)."""
     open_arrays(manifest)
     for name, entry in manifest["arrays"].items():
+        if "segments" in entry:  # not raysim's files: their sizes and times, checked by open_arrays
+            continue
         path = Path(manifest["folder"]) / f"{name}.npy"
         if entry.get("mtime_ns") == path.stat().st_mtime_ns:
             got = _file_blocks(path, [0, -1])
@@ -164,6 +178,9 @@ def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
     `ConfigError` naming it."""
     out = {}
     for name, entry in manifest["arrays"].items():
+        if "segments" in entry:  # files raysim did not write (an Arrow cache): read by rows
+            out[name] = StoredArray(manifest, name)
+            continue
         path = Path(manifest["folder"]) / f"{name}.npy"
         try:
             a = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -190,16 +207,28 @@ class Rows:
     numbers is one positioned read (in pieces of `PIECE` bytes), `READERS` of them in flight
     at once, straight into the array returned. Reads go through the page cache, so rows
     read before come from memory; nothing is mapped, so a process's memory holds only the
-    rows it asked for. Same values as indexing the array (tested against the memory path)."""
+    rows it asked for. Same values as indexing the array (tested against the memory path).
+
+    The rows lie in segments, each (file, byte offset, rows): a `.npy` file is one; an Arrow
+    file (a Hugging Face cache) has one per record batch (`arrow_segments`)."""
 
     _pool: Optional[ThreadPoolExecutor] = None
     _lock = threading.Lock()
 
     def __init__(self, manifest: dict, name: str):
-        a = open_arrays({**manifest, "arrays": {name: manifest["arrays"][name]}})[name]  # checks shape and size
-        self.path, self.offset, self.shape, self.dtype = a.filename, a.offset, a.shape, a.dtype
-        self.row = int(np.prod(a.shape[1:])) * a.dtype.itemsize
-        self._fd: Optional[int] = None
+        entry = manifest["arrays"][name]
+        if "segments" in entry:
+            _check_outside(manifest, name)
+            segments = entry["segments"]
+        else:
+            a = open_arrays({**manifest, "arrays": {name: entry}})[name]  # checks shape and size
+            segments = [[a.filename, a.offset, a.shape[0]]]
+        self.shape, self.dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+        self.paths = [str(path) for path, _, _ in segments]
+        self.starts = np.cumsum([0] + [n for _, _, n in segments])  # first row of each segment (and the end)
+        self.offsets = np.array([at for _, at, _ in segments], dtype=np.int64)
+        self.row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        self._fds: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -210,30 +239,38 @@ class Rows:
         if not len(rows) or not self.row:
             return out
         if rows.min() < 0 or rows.max() >= self.shape[0]:
-            raise IndexError(f"rows out of range for {self.path} ({self.shape[0]} rows)")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        starts = np.flatnonzero(np.diff(rows, prepend=rows[0] - 2) != 1)  # where a run of consecutive rows begins
-        ends = np.append(starts[1:], len(rows))
+            raise IndexError(f"rows out of range for {self.paths[0]} ({self.shape[0]} rows)")
+        seg = np.searchsorted(self.starts, rows, side="right") - 1
+        at = self.offsets[seg] + (rows - self.starts[seg]) * self.row  # each row's byte in its file
+        # a run: consecutive rows of one segment, read at once
+        breaks = np.flatnonzero((np.diff(rows, prepend=rows[0] - 2) != 1) | (np.diff(seg, prepend=-1) != 0))
+        ends = np.append(breaks[1:], len(rows))
         per = max(1, PIECE // self.row)
-        pieces = [(j, min(j + per, e)) for s, e in zip(starts.tolist(), ends.tolist()) for j in range(s, e, per)]
+        pieces = [(j, min(j + per, e)) for s, e in zip(breaks.tolist(), ends.tolist()) for j in range(s, e, per)]
         view = memoryview(out.reshape(-1)).cast("B")
-        first = rows[[a for a, _ in pieces]].tolist()
+        where = [(self._fd(self.paths[seg[a]]), int(at[a])) for a, _ in pieces]
 
         def read(k: int) -> None:
-            a, b = pieces[k]
-            into, at = view[a * self.row:b * self.row], self.offset + first[k] * self.row
+            (a, b), (fd, pos) = pieces[k], where[k]
+            into = view[a * self.row:b * self.row]
             while len(into):
-                got = os.preadv(self._fd, [into], at)
+                got = os.preadv(fd, [into], pos)
                 if got <= 0:
-                    raise OSError(f"{self.path}: short read at byte {at}")
-                into, at = into[got:], at + got
+                    raise OSError(f"{self.paths[0]}: short read at byte {pos}")
+                into, pos = into[got:], pos + got
 
         if len(pieces) == 1:
             read(0)
         else:
             list(self._readers().map(read, range(len(pieces)), chunksize=max(1, len(pieces) // (4 * READERS))))
         return out
+
+    def _fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+            if RANDOM:
+                os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_RANDOM)
+        return self._fds[path]
 
     @classmethod
     def _readers(cls) -> ThreadPoolExecutor:
@@ -243,8 +280,104 @@ class Rows:
             return cls._pool
 
     def __del__(self):
-        if self._fd is not None:
-            os.close(self._fd)
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+
+
+class StoredArray:
+    """A stored array the server holds without reading it (an Arrow cache's column): shape,
+    dtype and size for free, rows read by `Rows` when indexed, the whole when numpy asks."""
+
+    def __init__(self, manifest: dict, name: str):
+        self.rows = Rows(manifest, name)
+        self.shape, self.dtype, self.ndim = self.rows.shape, self.rows.dtype, len(self.rows.shape)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            return self.rows.take(np.array([key]))[0]
+        if isinstance(key, slice):
+            return self.rows.take(np.arange(*key.indices(len(self))))
+        key = np.asarray(key)
+        return self.rows.take(np.flatnonzero(key) if key.dtype == bool else key)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self.rows.take(np.arange(len(self)))
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def arrow_segments(files: list[str], column: str) -> Optional[tuple[list, tuple, np.dtype]]:
+    """Where the rows of `column` lie in these Arrow stream files (a Hugging Face dataset's
+    cache, in order): ([file, byte offset, rows] per record batch, row shape, dtype), read
+    from the files' metadata without copying their data; None when the column is not one
+    fixed shape of plain numbers without nulls in every batch (then it must be copied)."""
+    import pyarrow as pa
+
+    segments, shape, dtype = [], None, None
+    for path in files:
+        with pa.memory_map(path) as mm:
+            base = mm.read_buffer(1).address  # the mapping's start: a buffer's address - base = its byte in the file
+            mm.seek(0)
+            for batch in pa.ipc.open_stream(mm):
+                part = _flat_values(batch.column(column))
+                if part is None:
+                    return None
+                values, row_shape = part
+                if (shape or row_shape) != row_shape or (dtype or values.type) != values.type:
+                    return None
+                shape, dtype = row_shape, values.type
+                width = np.dtype(values.type.to_pandas_dtype()).itemsize
+                at = values.buffers()[1].address + values.offset * width - base
+                segments.append([path, int(at), len(batch)])
+    if not segments:
+        return None
+    return segments, shape, np.dtype(dtype.to_pandas_dtype())
+
+
+def _flat_values(array):
+    """(the contiguous numbers under a column of fixed-shape rows, the row shape), or None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(array.type, pa.ExtensionType):
+        array = array.storage
+    shape, rows = [], len(array)
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        if array.null_count:
+            return None
+        lengths = pc.list_value_length(array)
+        width = pc.min_max(lengths).as_py() if len(array) else {"min": 0, "max": 0}
+        if width["min"] != width["max"]:
+            return None
+        shape.append(int(width["max"] or 0))
+        array = array.flatten()
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)) or array.null_count:
+        return None
+    if len(array) != rows * int(np.prod(shape)):
+        return None
+    return array, tuple(shape)
+
+
+def outside(segments: list, shape: tuple, dtype: np.dtype, rows: int) -> dict:
+    """A manifest entry for an array that stays in files raysim did not write (`segments`):
+    their sizes and modification times are checked every run (`_check_outside`)."""
+    files = sorted({path for path, _, _ in segments})
+    return {"shape": [rows, *shape], "dtype": np.dtype(dtype).str, "segments": segments,
+            "files": {f: [os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files}}
+
+
+def _check_outside(manifest: dict, name: str) -> None:
+    for f, (size, mtime) in manifest["arrays"][name]["files"].items():
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            raise ConfigError(f"data_store: {f} (the training data's {name}) is missing (on a cluster, it must be in "
+                              "a folder every node reads)") from None
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise ConfigError(f"data_store: {f} (the training data's {name}) changed since the run began reading it")
 
 
 class InMemory:

@@ -45,6 +45,7 @@ class ClientRunner:
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
+        self._reader = None  # data_store=files: the thread that reads the next client's rows (_read_ahead)
         _warm_up(self.device)
 
     def _attach(self, cfg: dict, data_refs: list, num_classes: int, norm: Optional[tuple],
@@ -105,9 +106,12 @@ class ClientRunner:
         states = states if stateful else [None] * len(cids)
         payload = unpack(payload)
         results, new_states = [], []
-        for part in _split(list(zip(cids, epochs, states)), blocks if vectorized else None):
+        parts = _split(list(zip(cids, epochs, states)), blocks if vectorized else None)
+        reads = self._read_ahead(parts)
+        for part in parts:
             # built just before training: each client seeds torch's RNG
-            part = self._cohort(rnd, part) if vectorized else [self._client(rnd, *part[0])]
+            raw = next(reads)
+            part = self._cohort(rnd, part, raw) if vectorized else [self._client(rnd, *part[0], raw=raw)]
             for client in part:
                 self.adversaries.before(client, rnd, method)
             if vectorized and any(self.adversaries.attacking(c.cid, rnd, method) for c in part):
@@ -142,34 +146,54 @@ class ClientRunner:
         return tuple(out) if len(out) > 1 else out[0]
 
     def _client(self, rnd: int, cid: int, n_epochs: int, state, x: Optional[torch.Tensor] = None,
-                y: Optional[torch.Tensor] = None) -> Client:
-        """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it), its
-        generator seeded from (seed, round, cid)."""
+                y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None) -> Client:
+        """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it; `raw`:
+        its inputs read ahead from files), its generator seeded from (seed, round, cid)."""
         if (rnd, cid) == self.crash:
             os._exit(1)  # injected fault: this worker process dies mid-round
         if x is None:
-            x, y = self._rows(np.asarray(self.train_index[cid]))
+            x, y = self._rows(np.asarray(self.train_index[cid]), raw)
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
                           n_epochs, self.transform, self.seed)
 
-    def _cohort(self, rnd: int, part: list[tuple]) -> Cohort:
+    def _cohort(self, rnd: int, part: list[tuple], raw: Optional[np.ndarray] = None) -> Cohort:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
         gathered and decoded once for the group; each client's shard a view of them."""
         shards = [np.asarray(self.train_index[cid]) for cid, _, _ in part]
-        x, y = self._rows(np.concatenate(shards))
+        x, y = self._rows(np.concatenate(shards), raw)
         clients, at = [], 0
         for (cid, n_epochs, state), shard in zip(part, shards):
             clients.append(self._client(rnd, cid, n_epochs, state, x[at:at + len(shard)], y[at:at + len(shard)]))
             at += len(shard)
         return Cohort(clients, x, y)
 
-    def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_ahead(self, parts: list[list]):
+        """With data in files: each part's inputs read from them (`Rows.take`) on a thread of
+        its own, the next part's while this one trains (I/O under compute: the 30 GB set of
+        issue 42, cold, measured); two parts read at most. Yields None per part otherwise."""
+        if isinstance(self.x, torch.Tensor):
+            yield from (None for _ in parts)
+            return
+        if self._reader is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="raysim-read-ahead")
+        rows = [np.concatenate([np.asarray(self.train_index[cid]) for cid, _, _ in part]) for part in parts]
+        ahead = [self._reader.submit(self.x.take, r) for r in rows[:2]]
+        for k in range(len(parts)):
+            got = ahead[k].result()
+            if k + 2 < len(rows):
+                ahead.append(self._reader.submit(self.x.take, rows[k + 2]))
+            ahead[k] = None
+            yield got
+
+    def _rows(self, rows: np.ndarray, raw: Optional[np.ndarray] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Training samples `rows`, decoded, on the device: gathered from the arrays this actor
-        holds, or (`data_store=files`) read from the files now."""
+        holds, or (`data_store=files`) those read ahead (`raw`) or read from the files now."""
         if isinstance(self.x, torch.Tensor):
             x = self.x[torch.from_numpy(rows).to(self.x.device)]
         else:
-            x = torch.from_numpy(self.x.take(rows))
+            x = torch.from_numpy(raw if raw is not None else self.x.take(rows))
         y = self.y[torch.from_numpy(rows).to(self.y.device)]
         return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)
 

@@ -91,6 +91,8 @@ class FederatedServer:
         arrays = {"x_train": data.x_train, "y_train": data.y_train}
         files = None
         self.data_store = "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values()))
+        if self.data_store == "memory":  # a stored array the loader did not read (an Arrow cache's): read now
+            arrays = {k: np.asarray(v) for k, v in arrays.items()}
         if self.data_store == "files":  # written once, read by every process: data/store.py
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
             arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
