@@ -163,6 +163,7 @@ def measure(name: str, flower_python: str) -> dict:
                OMP_NUM_THREADS="1", BENCH_WORKLOAD=name)
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
+        os.sync()  # each side starts with no other side's writes still going to disk
         r, peak = throughput.run_measured([sys.executable, "-m", "raysim.run", "--quiet",
                                            *overrides(name, store_dir=str(Path(tmp) / "arrays")),
                                            f"output_dir={tmp}", "run_name=r"], env)
@@ -176,10 +177,12 @@ def measure(name: str, flower_python: str) -> dict:
                          "seconds_to_end_of_round_1": summary["seconds_to_end_of_round_1"]}
     # the plain loop at 1,000 clients does the same work as at 100
     seq = {"mclr": "mclr", "cnn-1000-f32": "cnn-f32"}.get(name, "cnn")
+    os.sync()
     r, peak = throughput.run_measured([sys.executable, str(HERE / "throughput.py"), "--sequential", seq], env)
     if r.returncode != 0:
         raise SystemExit(f"plain loop failed:\n{r.stderr[-3000:]}")
     res["plain loop"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0])
+    os.sync()
     r, peak = throughput.run_measured([flower_python, str(Path(__file__).resolve()), "--flower", name], env)
     if r.returncode != 0:
         raise SystemExit(f"Flower failed:\n{r.stderr[-3000:]}")
