@@ -116,13 +116,16 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     `meanwhile`'s exit code when that work, done, says so (a typo found while Ray starts
     costs no wait for Ray). `ray.init` puts its own SIGTERM handler in place (it exits with
     15) while it runs: a SIGTERM that reaches that one first ends the block the same way (a
-    race the suite lost twice in seven runs). Outside the main thread: a plain block."""
+    race the suite lost twice in seven runs), and the block puts the caller's handlers back
+    before its watcher stops (a SIGTERM just after `ray.init` returned met Ray's handler and
+    exited 15: once in a full suite). Outside the main thread: a plain block."""
     import select
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     r, w = os.pipe()
     os.set_blocking(w, False)
     previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
@@ -162,6 +165,9 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
         interrupted()
         time.sleep(60)  # the watcher is ending the process
     finally:
+        for sig, handler in handlers.items():  # the caller's handlers again, before the watcher stops:
+            if handler is not None:  # ray.init leaves its own (exit 15), and a signal in between met it
+                signal.signal(sig, handler)
         done.set()
         signal.set_wakeup_fd(previous)
         watcher.join()
