@@ -32,6 +32,10 @@ def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
         load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
     else:
         run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
+    if cfg.system.profile == "trace":  # a malformed device trace: one line naming the file and the row, now
+        from raysim.runtime.clock import read_trace
+
+        read_trace(cfg.system.trace)
     for line in describe_layers(layers, cfg):
         say(line)
     return cfg

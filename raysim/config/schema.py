@@ -114,6 +114,10 @@ class SystemConfig:
     dropout: float = 0.0  # probability that a selected client does not return its update
     stragglers: float = 0.0  # fraction of all clients that are stragglers (drawn once from the seed)
     straggler_epochs: List[int] = field(default_factory=lambda: [1, 5])  # a straggler's epochs: uniform in [lo, hi]
+    profile: str = "none"  # simulated time (runtime/clock.py): none | uniform | mobile | trace (devices from system.trace)
+    trace: Optional[str] = None  # profile=trace: a CSV of devices, header gflops,down_mbps,up_mbps,latency_s
+    deadline: Optional[float] = None  # simulated seconds a training call waits for its clients; later ones are dropped
+    target_accuracy: Optional[float] = None  # summary.json: the simulated time the test accuracy first reaches this
 
 
 @dataclass

@@ -130,6 +130,17 @@ def validate(cfg: DictConfig) -> None:
     se = list(sy.straggler_epochs)
     need(len(se) == 2 and 1 <= se[0] <= se[1],
          f"system.straggler_epochs must be [lo, hi] with 1 <= lo <= hi, got {se}")
+    from raysim.runtime.clock import PROFILES
+
+    profiles = ["none", *PROFILES, "trace"]
+    need(sy.profile in profiles, f"system.profile must be one of {', '.join(profiles)}, got {sy.profile!r}")
+    need((sy.profile == "trace") == bool(sy.trace), "system.trace (a CSV of devices) goes with system.profile=trace, "
+                                                     f"got profile={sy.profile!r} and trace={sy.trace!r}")
+    need(sy.deadline is None or (sy.deadline > 0 and sy.profile != "none"),
+         f"system.deadline must be > 0 simulated seconds, with a system.profile (got deadline={sy.deadline}, "
+         f"profile={sy.profile!r})")
+    need(sy.target_accuracy is None or 0 < sy.target_accuracy <= 1,
+         f"system.target_accuracy must be in (0, 1], got {sy.target_accuracy}")
     need(cfg.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
     fa = cfg.faults
     need(0 <= fa.kill_fraction <= 1, f"faults.kill_fraction must be in [0, 1], got {fa.kill_fraction}")

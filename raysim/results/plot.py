@@ -6,7 +6,8 @@ in their seed form one line, the mean over seeds with a band of +- one standard
 deviation; the legend names the config keys that differ between the lines. `--metric`:
 any column of metrics.parquet (`accuracy`, default; `loss`, `train_loss`,
 `local_accuracy`, ...). `--x`: `round`, `bytes` (MiB communicated, down + up) and / or
-`seconds` (wall time since the first round started); several give several files.
+`seconds` (wall time since the first round started) and / or `sim` (simulated seconds, with a
+`system.profile`: time to accuracy); several give several files.
 Writes OUT_round.png etc. (`--out`, default ./plot; `--format png` or `svg`).
 
     python -m raysim.results.plot runs/sweeps/fedavg-vs-fedprox --x round bytes seconds
@@ -22,7 +23,8 @@ import numpy as np
 from raysim.errors import ConfigError
 from raysim.results.runs import differing_keys, find_runs, label
 
-X_AXES = {"round": "round", "bytes": "MiB communicated (down + up)", "seconds": "wall seconds"}
+X_AXES = {"round": "round", "bytes": "MiB communicated (down + up)", "seconds": "wall seconds",
+          "sim": "simulated seconds"}
 
 
 def _x(rows: list[dict], axis: str) -> np.ndarray:
@@ -30,6 +32,10 @@ def _x(rows: list[dict], axis: str) -> np.ndarray:
         return np.array([r["round"] for r in rows], dtype=float)
     if axis == "bytes":
         return np.array([(r["bytes_down"] + r["bytes_up"]) / 2**20 for r in rows])
+    if axis == "sim":
+        if any(r.get("sim_end") is None for r in rows):
+            raise ConfigError("--x sim: a run has no simulated time (run it with a system.profile)")
+        return np.array([r["sim_end"] for r in rows], dtype=float)
     return np.array([r["elapsed"] for r in rows], dtype=float)
 
 

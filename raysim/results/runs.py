@@ -12,12 +12,13 @@ from typing import Any, Iterable, Optional
 
 from raysim.errors import ConfigError
 
-_FORM = re.compile(r"(?:(?P<fn>mean|max|min|last(?P<k>\d+)|round)\()?(?P<name>\w+)"
+_FORM = re.compile(r"(?:(?P<fn>mean|max|min|last(?P<k>\d+)|round|time)\()?(?P<name>\w+)"
                    r"(?:@(?P<at>\d+(?:\.\d*)?)(?P<mib>MiB)?)?(?:>=(?P<x>[-+\d.e]+))?(?(fn)\))")
 METRICS_HELP = ("a summary field (final_accuracy, best_accuracy, last10_mean_accuracy, wall_seconds, ...) or a "
                 "per-round metric NAME (accuracy, loss, mib, ...) as NAME@R (at round R), NAME@XMiB (at the last "
                 "round within X MiB communicated), mean(NAME), max(NAME), min(NAME), lastK(NAME) (mean of the last "
-                "K values), round(NAME>=X) (first round reaching X); a function's NAME may carry @R or @XMiB")
+                "K values), round(NAME>=X) (first round reaching X), time(NAME>=X) (the simulated seconds at the "
+                "end of that round: time to accuracy, with a system.profile); a function's NAME may carry @R or @XMiB")
 
 
 def parse_metric(metric: str) -> Optional[re.Match]:
@@ -27,8 +28,8 @@ def parse_metric(metric: str) -> Optional[re.Match]:
         if not re.fullmatch(r"\w+", metric):
             raise ConfigError(f"--metric {metric!r} is not understood; it is {METRICS_HELP}")
         return None
-    if (m["fn"] == "round") != (m["x"] is not None):
-        raise ConfigError(f"--metric {metric!r}: '>=X' goes with round(NAME>=X) only")
+    if (m["fn"] in ("round", "time")) != (m["x"] is not None):
+        raise ConfigError(f"--metric {metric!r}: '>=X' goes with round(NAME>=X) and time(NAME>=X) only")
     return None if m["fn"] is None and m["at"] is None else m
 
 
@@ -75,6 +76,9 @@ class Run:
             return values[-1]
         if fn == "round":
             return next((float(rnd) for rnd, v in got if v >= float(m["x"])), None)
+        if fn == "time":  # simulated time (runtime/clock.py): the end of the first round reaching X
+            ends = {r["round"]: r.get("sim_end") for r in rows}
+            return next((ends[rnd] for rnd, v in got if v >= float(m["x"])), None)
         if fn.startswith("last"):
             return statistics.mean(values[-int(m["k"]):])
         return {"mean": statistics.mean, "max": max, "min": min}[fn](values)

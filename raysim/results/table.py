@@ -8,7 +8,7 @@ a per-round metric NAME of metrics.parquet (`accuracy`, `loss`, `mib`: cumulativ
 `NAME@R` (at round R), `NAME@XMiB` (at the last round within X MiB: equal communication),
 `mean(NAME)`, `max(NAME)`, `min(NAME)`, `lastK(NAME)` (mean of the last K values),
 `round(NAME>=X)` (first round reaching X: rounds to a target; "never" counts the runs that do
-not); `last10(accuracy@1174MiB)` limits a function to the curve within the budget. Several
+not), `time(NAME>=X)` (the simulated seconds at the end of that round, with a `system.profile`); `last10(accuracy@1174MiB)` limits a function to the curve within the budget. Several
 `--metric`s: one column each. Accuracies are shown in percent; a cell says how many of its
 runs diverged (their curves end early). `--format`: markdown (default), csv, latex; `--out
 FILE` writes it there too.
@@ -60,7 +60,7 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metrics: 
     cells, counts = {}, {}
     for key, got in groups.items():
         metric = got[0][1]
-        percent = "accuracy" in metric and not metric.startswith("round(")
+        percent = "accuracy" in metric and not metric.startswith(("round(", "time("))
         values = [100 * v if percent else v for _, _, v in got if v is not None]
         counts[key] = len(values)
         if values:
@@ -68,7 +68,7 @@ def build(paths: list, rows: list[str] | None, cols: list[str] | None, metrics: 
             cells[key] = f"{m:.1f} +- {s:.1f}" if percent else f"{m:.4g} +- {s:.2g}"
         else:
             cells[key] = "-"
-        if len(values) < len(got) and metric.startswith("round("):  # runs that never reach the target
+        if len(values) < len(got) and metric.startswith(("round(", "time(")):  # runs that never reach the target
             cells[key] += f" ({len(got) - len(values)} never)"
         diverged = sum(r.summary.get("status") == "diverged" for r, _, _ in got)
         if diverged:  # their curves end early: the cell is not over the whole run

@@ -38,6 +38,7 @@ class RunRecord:
         self.sizes, self.stragglers, self.attacking = sizes, stragglers, attacking
         self.metrics = RayMetrics(Path(run_dir).name)
         self.rows: list[dict] = []  # the clients table's rows of the round in progress
+        self.sim_seconds: dict[int, float] = {}
         self.client_updates = 0
         self.first_round_seconds: Optional[float] = None
         self.last_checkpoint: Optional[int] = resume["round"] if resume else None  # the round a resume starts after
@@ -49,7 +50,8 @@ class RunRecord:
                result: Optional[ClientResult] = None, epochs: Optional[int] = None,
                accuracy: Optional[float] = None, num_samples: Optional[int] = None) -> None:
         """One row of the clients table: a call to a client (training, or another method),
-        a join, or (method `evaluate`) its accuracy on its local test data."""
+        a join, or (method `evaluate`) its accuracy on its local test data. A training call's
+        simulated seconds (`sim_seconds`, runtime/clock.py) come from the round's clock."""
         m = result.metrics if result is not None else {}
         if result is not None:
             self.client_updates += 1
@@ -59,10 +61,12 @@ class RunRecord:
             "round": rnd, "cid": cid, "method": method, "status": status, "reason": reason,
             "num_samples": num_samples, "epochs": epochs, "straggler": cid in self.stragglers,
             "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy,
-            "attacker": self.attacking(cid, rnd, method)})
+            "attacker": self.attacking(cid, rnd, method),
+            **({"sim_seconds": self.sim_seconds.get(cid)} if self.sim_seconds and method == "client_update" else {})})
 
     def new_round(self) -> None:
         self.rows = []
+        self.sim_seconds = {}  # cid: this round's simulated seconds of its training call (runtime/clock.py)
 
     def round(self, row: dict) -> None:
         """The round's metrics row and its clients' rows."""

@@ -39,11 +39,12 @@ from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime import checkpoint, determinism, placement
 from raysim.runtime.availability import Availability, SystemEffects
+from raysim.runtime.clock import Clock
 from raysim.runtime.dispatch import Dispatch
 from raysim.privacy.secagg import SecureAggregation
 from raysim.runtime.local_eval import clients_test_data
 from raysim.runtime.record import RunRecord
-from raysim.training import evaluate, tau_normalised
+from raysim.training import evaluate, nbytes, tau_normalised
 
 
 class FederatedServer:
@@ -151,6 +152,13 @@ class FederatedServer:
         self.selection.available = self.availability.available(ckpt["round"] + 1 if ckpt else 1)
         self.selection.setup(self)
         self.algorithm.setup(self)
+        self.clock = None
+        if self.cfg.system.profile != "none":  # simulated time: the model's FLOPs counted on a fresh copy
+            rng = torch.get_rng_state()
+            self.clock = Clock.from_config(self.cfg, self.num_clients, self.sizes, self.new_model(), self.x_test[:1])
+            torch.set_rng_state(rng)
+            self.record.log(f"simulated time: system.profile={self.cfg.system.profile}, "
+                            f"{self.clock.flops / 1e6:.2f} MFLOP a sample (forward and backward)")
         self.start_round = 1
         if ckpt is not None:
             self._restore(ckpt)
@@ -192,6 +200,11 @@ class FederatedServer:
             cids, epochs, dropped = self.system.apply(rnd, cids, epochs)
             for c in dropped:
                 self.record.client(rnd, c, method, "dropped", reason="dropout")
+        if method == "client_update" and self.clock is not None:  # simulated time: runtime/clock.py
+            cids, late, took = self.clock.call(cids, epochs, nbytes(payload))
+            self.record.sim_seconds.update(took)
+            for c in late:
+                self.record.client(rnd, c, method, "dropped", reason="deadline", epochs=epochs[c])
         results = self.dispatch.run(rnd, cids, epochs, payload, method, on, bool(self.plugins[on].client_state))
         if self.secagg is not None and method == "client_update" and on == "algorithm":  # the server sees the sum
             return self.secagg.round(rnd, cohort, results)
@@ -217,6 +230,7 @@ class FederatedServer:
             self.algorithm.clients_joined(rnd, joining, self)
         if self.secagg is not None:
             self.secagg.metrics = {}
+        sim_start = self.clock.now if self.clock is not None else None
         extra = self.algorithm.run_round(rnd, self) or {}
         t_train = time.time() - t0
         models = self.algorithm.eval_models()
@@ -224,6 +238,8 @@ class FederatedServer:
         if self.cfg.eval.tau_norm:  # tau-normalised classifiers, for evaluation only
             models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
         row: dict = {"round": rnd}
+        if self.clock is not None:
+            row.update(sim_start=sim_start, sim_end=self.clock.now)
         evaluated: dict[int, float] = {}  # per-client accuracy on local test data
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
             for i, (name, model) in enumerate(models.items()):
@@ -308,6 +324,7 @@ class FederatedServer:
             "torch_rng": torch.get_rng_state(),
             "bytes": list(self.dispatch.bytes),
             "privacy": self.accountant.state_dict() if self.accountant is not None else {},
+            "clock": self.clock.now if self.clock is not None else None,
         })
 
     def _restore(self, ckpt: dict) -> None:
@@ -317,12 +334,16 @@ class FederatedServer:
         if self.accountant is not None:
             self.accountant.load_state_dict(ckpt.get("privacy", {}))
         torch.set_rng_state(ckpt["torch_rng"])
+        if self.clock is not None:
+            self.clock.now = float(ckpt["clock"])
         self.record.restore(ckpt)
         self.start_round = int(ckpt["round"]) + 1
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> dict:
         summary = {**self.record.summary(), "status": "finished"}
+        if self.clock is not None:
+            summary.update(self.clock.summary(self.record.writer.rows, self.cfg.system.target_accuracy))
         summary.update(self._after_training(summary["final_accuracy"]))
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}

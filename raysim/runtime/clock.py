@@ -1,0 +1,145 @@
+"""Simulated time (`system.profile`, issue 43): a virtual clock that says how long each
+client update and each round would take on real devices, for any algorithm.
+
+Each client has a device: compute speed (FLOP/s), download and upload bandwidth (bytes/s)
+and a latency (s), drawn once from a named profile (seeded, `PROFILES`) or read from a
+trace file (`system.trace`, CSV: `gflops,down_mbps,up_mbps,latency_s` per row; client c
+takes row c mod rows, as FedScale maps its device traces onto clients). A training call's
+client c takes
+
+    2 x latency + bytes_down / down + samples x epochs x flops_per_sample / speed + bytes_up / up
+
+simulated seconds: `bytes_down` is what the server sends it (counted as `bytes_down` is),
+`bytes_up` the same size (an update is the model's size; what clients really send is in
+`bytes_up`), `flops_per_sample` the model's forward and backward FLOPs on one sample,
+counted once by torch's `FlopCounterMode` (counted, not timed: the same on every machine
+and every run). With `local.steps`, samples x epochs is steps x batch size.
+
+The server's clock: a training call starts when the previous one ended and ends when its
+slowest client is back; with `system.deadline` a client that would be later is dropped
+before it trains (`reason=deadline` in the clients table; FedScale's and FedBuff's
+over-selection) and the call ends at the deadline. Clients that drop out
+(`system.dropout`) hold nothing up. Rounds record `sim_start` and `sim_end`, clients
+`sim_seconds`; the summary `sim_seconds` and, with `system.target_accuracy`, the simulated
+time at which the test accuracy first reached it (time to accuracy).
+
+References: FedScale's client device traces and virtual clock (SymbioticLab/FedScale,
+`fedscale/cloud/execution` and its `client_device_capacity` traces); FLGo's system
+simulator (latency, availability). Both time a round by its slowest kept client, as here.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from raysim.errors import ConfigError
+
+MBIT = 1e6 / 8  # bytes per second in a Mbit/s
+# name: (median, spread) of each quantity; spread = sigma of its log-normal (0: every client
+# the same). mobile: speeds 10x apart between the 5th and 95th percentiles (sigma 0.7), links
+# 1-20 Mbit/s down (sigma 0.9), as the FedScale traces' phones spread.
+PROFILES = {
+    "uniform": {"speed": (2e9, 0.0), "down": (20 * MBIT, 0.0), "up": (5 * MBIT, 0.0), "latency": (0.05, 0.0)},
+    "mobile": {"speed": (2e9, 0.7), "down": (5 * MBIT, 0.9), "up": (1.5 * MBIT, 0.9), "latency": (0.1, 0.5)},
+}
+TRACE_COLUMNS = ("gflops", "down_mbps", "up_mbps", "latency_s")
+
+
+def flops_per_sample(model, sample) -> float:
+    """Forward and backward FLOPs of `model` on one input (`sample`: a batch of one), counted."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = model.train()
+    with FlopCounterMode(display=False) as counter:
+        out = model(sample)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        params = sum(p.numel() for p in model.parameters())
+    return float(max(counter.get_total_flops(), 2 * params))  # ops FlopCounterMode does not count: a floor
+
+
+def read_trace(path: str) -> dict[str, np.ndarray]:
+    """The devices of a trace file (module docstring), or a ConfigError naming the file and the row."""
+    p = Path(path).expanduser()
+    try:
+        with open(p, newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError as e:
+        raise ConfigError(f"system.trace={path}: cannot read it ({e.strerror})") from None
+    if not rows or [c.strip() for c in rows[0]] != list(TRACE_COLUMNS):
+        raise ConfigError(f"system.trace={path}: the first row must be the header {','.join(TRACE_COLUMNS)}")
+    values = []
+    for i, row in enumerate(rows[1:], start=2):
+        if not row or not "".join(row).strip():
+            continue
+        try:
+            v = [float(x) for x in row]
+        except ValueError:
+            v = []
+        if len(v) != len(TRACE_COLUMNS) or not all(np.isfinite(v)) or min(v[:3]) <= 0 or v[3] < 0:
+            raise ConfigError(f"system.trace={path}, row {i}: {','.join(row)[:80]!r} is not four numbers "
+                              "(gflops, down_mbps, up_mbps > 0; latency_s >= 0)")
+        values.append(v)
+    if not values:
+        raise ConfigError(f"system.trace={path}: no device rows after the header")
+    a = np.array(values)
+    return {"speed": a[:, 0] * 1e9, "down": a[:, 1] * MBIT, "up": a[:, 2] * MBIT, "latency": a[:, 3]}
+
+
+class Clock:
+    """The virtual clock (module docstring): devices per client, and the server's time."""
+
+    def __init__(self, cfg, num_clients: int, sizes, flops: float):
+        s = cfg.system
+        if s.profile == "trace":
+            table = read_trace(s.trace)
+            rows = np.arange(num_clients) % len(table["speed"])
+            self.devices = {k: v[rows] for k, v in table.items()}
+        else:
+            rng = np.random.default_rng([int(cfg.seed), 8])
+            self.devices = {k: median * np.exp(spread * rng.standard_normal(num_clients)) if spread else
+                            np.full(num_clients, float(median)) for k, (median, spread) in PROFILES[s.profile].items()}
+        self.sizes = np.asarray(sizes)
+        self.flops = flops
+        self.deadline = float(s.deadline) if s.deadline else None
+        loc = cfg.local
+        self.steps = int(loc.steps) * int(loc.batch_size) if loc.get("steps") else None  # samples a client sees, per epoch
+        self.now = 0.0
+
+    @staticmethod
+    def from_config(cfg, num_clients: int, sizes, model, sample) -> Optional["Clock"]:
+        if cfg.system.profile == "none":
+            return None
+        return Clock(cfg, num_clients, sizes, flops_per_sample(model, sample))
+
+    def seconds(self, cid: int, epochs: int, bytes_down: int, bytes_up: int) -> float:
+        """Client `cid`'s simulated seconds for one training call."""
+        d = self.devices
+        samples = self.steps if self.steps is not None else int(self.sizes[cid]) * epochs
+        return float(2 * d["latency"][cid] + bytes_down / d["down"][cid] + samples * self.flops / d["speed"][cid]
+                     + bytes_up / d["up"][cid])
+
+    def call(self, cids: list[int], epochs: dict, payload_bytes: int) -> tuple[list[int], list[int], dict]:
+        """A training call of `cids` starting now: (those that make the deadline, those that
+        do not, every client's seconds); the clock moves to the call's end."""
+        took = {c: self.seconds(c, epochs[c], payload_bytes, payload_bytes) for c in cids}
+        kept = [c for c in cids if self.deadline is None or took[c] <= self.deadline]
+        late = [c for c in cids if c not in set(kept)]
+        end = self.deadline if late else max((took[c] for c in kept), default=0.0)
+        self.now += end
+        return kept, late, took
+
+    def summary(self, rows: list[dict], target: Optional[float]) -> dict:
+        """summary.json's simulated time: the run's, and the time to `target` accuracy (None if
+        never reached; the first evaluation at or above it, at its round's end)."""
+        out = {"sim_seconds": self.now}
+        if target is not None:
+            out["target_accuracy"] = float(target)
+            out["sim_seconds_to_target"] = next((r["sim_end"] for r in rows if r.get("accuracy") is not None
+                                                 and r["accuracy"] >= target), None)
+        return out
