@@ -111,6 +111,10 @@ class Server(Protocol):
 
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator: ...
 
+    # asynchronous algorithms (runtime/asynchronous.py; needs system.profile)
+    def keep_training(self, rnd: int, concurrency: int, payload: Callable[[], tuple]) -> None: ...  # (payload, version)
+    def next_arrival(self, rnd: int) -> Any: ...  # the next update in simulated time: cid, result, version, payload
+
 
 class Algorithm:
     """Base class of an algorithm plugin: register a subclass with

@@ -36,6 +36,10 @@ def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
         from raysim.runtime.clock import read_trace
 
         read_trace(cfg.system.trace)
+    if cfg.system.availability == "trace":
+        from raysim.runtime.online import read_intervals
+
+        read_intervals(cfg.system.availability_trace)
     for line in describe_layers(layers, cfg):
         say(line)
     return cfg

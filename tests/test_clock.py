@@ -1,8 +1,10 @@
-"""Simulated time (raysim/runtime/clock.py): a three-client case computed by hand, the
-deadline's drops, the rounds' and clients' simulated times in a real run, and a malformed
-device trace as one line naming the file and the row."""
+"""Simulated time (raysim/runtime/clock.py, online.py): a three-client case computed by hand,
+the deadline's drops, the rounds' and clients' simulated times in a real run, online
+intervals by hand and respected by every selection strategy, and a malformed trace as one
+line naming the file and the row."""
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -24,16 +26,16 @@ def test_three_clients_by_hand(tmp_path):
     cfg = load_config(overrides=["system.profile=trace", f"system.trace={tmp_path / 'devices.csv'}"])
     clock = Clock(cfg, 3, [10, 20, 30], 1e8)
     one = dict.fromkeys([0, 1, 2], 1)
-    kept, late, took = clock.call([0, 1, 2], one, 10**6)
-    assert kept == [0, 1, 2] and late == [] and took == pytest.approx({0: 3.2, 1: 2.7, 2: 8.2})
+    kept, lost, took = clock.call([0, 1, 2], one, 10**6)
+    assert kept == [0, 1, 2] and lost == {} and took == pytest.approx({0: 3.2, 1: 2.7, 2: 8.2})
     assert clock.now == pytest.approx(8.2)
-    kept, late, _ = clock.call([0, 1], {0: 2, 1: 1}, 10**6)  # two epochs: client 0 computes 2 s
+    clock.call([0, 1], {0: 2, 1: 1}, 10**6)  # two epochs: client 0 computes 2 s
     assert clock.now == pytest.approx(8.2 + 4.2)
     clock.deadline, clock.now = 5.0, 0.0
-    kept, late, took = clock.call([0, 1, 2], one, 10**6)
-    assert kept == [0, 1] and late == [2] and clock.now == pytest.approx(5.0)
-    kept, late, _ = clock.call([0, 1], one, 10**6)  # no one late: the slowest kept
-    assert late == [] and clock.now == pytest.approx(5.0 + 3.2)
+    kept, lost, took = clock.call([0, 1, 2], one, 10**6)
+    assert kept == [0, 1] and lost == {2: "deadline"} and clock.now == pytest.approx(5.0)
+    kept, lost, _ = clock.call([0, 1], one, 10**6)  # no one late: the slowest kept
+    assert lost == {} and clock.now == pytest.approx(5.0 + 3.2)
     # a client past the trace's rows takes row c mod 3
     assert Clock(cfg, 5, [10] * 5, 1e8).devices["speed"].tolist() == [1e9, 2e9, 5e8, 1e9, 2e9]
 
@@ -49,7 +51,7 @@ def test_a_run_records_simulated_time_and_the_deadline_drops_the_slow_clients(ra
     free = pq.read_table(tmp_path / "free" / "clients.parquet").to_pylist()
     took = sorted(r["sim_seconds"] for r in free if r["method"] == "client_update")
     deadline = took[len(took) // 2]  # half the calls would be late
-    assert main([*common, f"system.deadline={deadline}", "checkpoint_every=2", "run_name=dl"]) == 0
+    assert main([*common, f"system.deadline={deadline}", "run_name=dl"]) == 0
     rows = pq.read_table(tmp_path / "dl" / "metrics.parquet").to_pylist()
     clients = pq.read_table(tmp_path / "dl" / "clients.parquet").to_pylist()
     late = [c for c in clients if c["reason"] == "deadline"]
@@ -65,10 +67,10 @@ def test_a_run_records_simulated_time_and_the_deadline_drops_the_slow_clients(ra
     assert summary["sim_seconds"] == pytest.approx(rows[-1]["sim_end"])
     reached = [r["sim_end"] for r in rows if r.get("accuracy") is not None and r["accuracy"] >= 0.5]
     assert summary["sim_seconds_to_target"] == (reached[0] if reached else None)
-    # resumed from round 2's checkpoint: the same simulated times
-    (tmp_path / "dl" / "summary.json").unlink()
-    assert main(["--quiet", f"resume={tmp_path / 'dl'}"]) == 0
-    again = pq.read_table(tmp_path / "dl" / "metrics.parquet").to_pylist()
+    # stopped after round 2, resumed to round 4: the same simulated times (the clock is checkpointed)
+    assert main([*common, f"system.deadline={deadline}", "rounds=2", "run_name=half"]) == 0
+    assert main(["--quiet", f"resume={tmp_path / 'half'}", "rounds=4"]) == 0
+    again = pq.read_table(tmp_path / "half" / "metrics.parquet").to_pylist()
     assert [(r["sim_start"], r["sim_end"]) for r in again] == [(r["sim_start"], r["sim_end"]) for r in rows]
 
 
@@ -77,10 +79,68 @@ def test_a_run_records_simulated_time_and_the_deadline_drops_the_slow_clients(ra
     (TRACE + "1,8,x,0.1\n", "row 5: '1,8,x,0.1' is not four numbers"),
     (TRACE + "0,8,8,0.1\n", "row 5: '0,8,8,0.1' is not four numbers"),
 ])
-def test_a_malformed_trace_is_one_line_naming_the_file_and_the_row(tmp_path, capfd, text, says):
+def test_a_malformed_trace_is_one_line_naming_the_file_and_the_row(ray_local, tmp_path, capfd, text, says):
     (tmp_path / "devices.csv").write_text(text)
     assert main(["system.profile=trace", f"system.trace={tmp_path / 'devices.csv'}", f"output_dir={tmp_path / 'runs'}",
                  "--quiet"]) == 2
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and f"system.trace={tmp_path / 'devices.csv'}" in err[0] and says in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_online_intervals_by_hand(tmp_path):
+    """A trace of two clients (client 0: [0, 10) and [20, 30); client 1: [5, 40)) repeats
+    every 40 s; client 2 follows trace client 0. `diurnal` gives each client one stretch of
+    `online_hours` a day."""
+    from raysim.runtime.online import Online
+
+    (tmp_path / "on.csv").write_text("client,start_s,end_s\n0,20,30\n0,0,10\n1,5,40\n")
+    cfg = load_config(overrides=["system.profile=uniform", "system.availability=trace",
+                                 f"system.availability_trace={tmp_path / 'on.csv'}"])
+    on = Online(cfg, 3)
+    assert on.online([0, 1, 2], 3.0) == [0, 2] and on.online([0, 1, 2], 12.0) == [1]
+    assert on.until(0, 25.0) == 30.0 and on.until(0, 15.0) is None and on.until(1, 6.0) == 40.0
+    assert on.online([0, 1, 2], 43.0) == [0, 2] and on.until(0, 65.0) == 70.0  # repeated: period 40 s
+    assert on.next_start([0], 12.0) == 20.0 and on.next_start([1], 41.0) == 45.0
+    cfg = load_config(overrides=["system.profile=uniform", "system.availability=diurnal", "system.online_hours=6"])
+    day = Online(cfg, 50)
+    share = np.mean([len(day.online(list(range(50)), t * 3600.0)) / 50 for t in range(0, 96)])
+    assert abs(share - 6 / 24) < 0.08  # online a quarter of the time, on average
+    for c in range(50):
+        starts = [t for t in np.arange(0, 2 * 86400, 600.0) if day.until(c, t) is not None]
+        assert 5.8 * 3600 <= len(starts) * 600 / 2 <= 6.2 * 3600  # 6 hours a day each
+
+
+@pytest.mark.parametrize("selection", ["random", "fedentopt", "kl"])
+def test_every_selection_strategy_sees_only_online_clients(ray_local, tmp_path, selection):
+    """Clients 0-4 are online from the start, 5-9 only after 10^8 s: every strategy picks
+    from 0-4, and a client whose online time ends mid-update (client 4, online for 0.05 s) is
+    dropped as `offline` (a round takes ~0.1 s: two 50 ms latencies)."""
+    from raysim.registry import SELECTIONS
+
+    assert sorted(SELECTIONS.names()) == ["fedentopt", "kl", "random"]  # a new strategy: add it above
+    rows = ["client,start_s,end_s"] + [f"{c},0,100000000" for c in range(4)] + ["4,0,0.05"] + \
+        [f"{c},100000000,200000000" for c in range(5, 10)]
+    (tmp_path / "on.csv").write_text("\n".join(rows) + "\n")
+    assert main(["dataset=digits", "model=mclr", "num_clients=10", "clients_per_round=3", "rounds=3",
+                 f"selection={selection}", "system.profile=uniform", "system.availability=trace",
+                 f"system.availability_trace={tmp_path / 'on.csv'}", f"output_dir={tmp_path}", "run_name=r",
+                 "--quiet"]) == 0
+    calls = [c for c in pq.read_table(tmp_path / "r" / "clients.parquet").to_pylist() if c["method"] == "client_update"]
+    assert calls and {c["cid"] for c in calls} <= {0, 1, 2, 3, 4}
+    assert all(c["reason"] == "offline" for c in calls if c["cid"] == 4)
+    metrics = pq.read_table(tmp_path / "r" / "metrics.parquet").to_pylist()
+    assert all(r["available"] <= 5 for r in metrics)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("client,start_s,end_s\n0,0,10\n1,20,5\n", "row 3: '1,20,5' is not client,start_s,end_s"),
+    ("client,start_s,end_s\n0,0,10\n0,5,20\n", "client 0's intervals overlap"),
+])
+def test_a_malformed_availability_trace_is_one_line(ray_local, tmp_path, capfd, text, says):
+    (tmp_path / "on.csv").write_text(text)
+    assert main(["system.profile=uniform", "system.availability=trace", f"system.availability_trace={tmp_path / 'on.csv'}",
+                 f"output_dir={tmp_path / 'runs'}", "--quiet"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"system.availability_trace={tmp_path / 'on.csv'}" in err[0] and says in err[0], err
     assert not (tmp_path / "runs").exists()

@@ -176,7 +176,7 @@ def name_plugins_used(cfg: DictConfig) -> None:
 
 def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
     """Merge the layers onto the full schema and validate. Relative `data_dir`, `output_dir`,
-    `resume`, `data_store_dir` and `system.trace` are taken relative to `cwd` (the CLI's directory) when given."""
+    `resume`, `data_store_dir`, `system.trace` and `system.availability_trace` are taken relative to `cwd` (the CLI's directory) when given."""
     for _, data in layers:  # plugin modules first: they add sections to the schema
         plugins = data.get("plugins") or []
         registry.import_modules(plugins if isinstance(plugins, list) else [plugins])
@@ -191,7 +191,7 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
     check_sections(layers, cfg)
     name_plugins_used(cfg)
     if cwd is not None:
-        for key in ("data_dir", "output_dir", "resume", "data_store_dir", "system.trace"):
+        for key in ("data_dir", "output_dir", "resume", "data_store_dir", "system.trace", "system.availability_trace"):
             if OmegaConf.select(cfg, key) is not None:
                 OmegaConf.update(cfg, key, str(Path(cwd, Path(OmegaConf.select(cfg, key)).expanduser())))
     return cfg

@@ -118,6 +118,9 @@ class SystemConfig:
     trace: Optional[str] = None  # profile=trace: a CSV of devices, header gflops,down_mbps,up_mbps,latency_s
     deadline: Optional[float] = None  # simulated seconds a training call waits for its clients; later ones are dropped
     target_accuracy: Optional[float] = None  # summary.json: the simulated time the test accuracy first reaches this
+    availability: str = "always"  # who is online when, in simulated time (runtime/online.py): always | diurnal | trace
+    online_hours: float = 8.0  # availability=diurnal: hours online of each simulated day
+    availability_trace: Optional[str] = None  # availability=trace: a CSV of online intervals, header client,start_s,end_s
 
 
 @dataclass

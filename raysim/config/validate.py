@@ -139,6 +139,14 @@ def validate(cfg: DictConfig) -> None:
     need(sy.deadline is None or (sy.deadline > 0 and sy.profile != "none"),
          f"system.deadline must be > 0 simulated seconds, with a system.profile (got deadline={sy.deadline}, "
          f"profile={sy.profile!r})")
+    need(sy.availability in ("always", "diurnal", "trace"),
+         f"system.availability must be always, diurnal or trace, got {sy.availability!r}")
+    need(sy.availability == "always" or sy.profile != "none",
+         f"system.availability={sy.availability} is in simulated time: set a system.profile (uniform, mobile, trace)")
+    need((sy.availability == "trace") == bool(sy.availability_trace),
+         "system.availability_trace (a CSV of online intervals) goes with system.availability=trace, got "
+         f"availability={sy.availability!r} and availability_trace={sy.availability_trace!r}")
+    need(0 < sy.online_hours <= 24, f"system.online_hours must be in (0, 24], got {sy.online_hours}")
     need(sy.target_accuracy is None or 0 < sy.target_accuracy <= 1,
          f"system.target_accuracy must be in (0, 1], got {sy.target_accuracy}")
     need(cfg.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")

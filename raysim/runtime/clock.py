@@ -18,7 +18,9 @@ and every run). With `local.steps`, samples x epochs is steps x batch size.
 The server's clock: a training call starts when the previous one ended and ends when its
 slowest client is back; with `system.deadline` a client that would be later is dropped
 before it trains (`reason=deadline` in the clients table; FedScale's and FedBuff's
-over-selection) and the call ends at the deadline. Clients that drop out
+over-selection) and the call ends at the deadline. With `system.availability`
+(runtime/online.py) only clients online at a round's start are offered to the selection,
+and one whose online time ends before its update is back is dropped (`reason=offline`). Clients that drop out
 (`system.dropout`) hold nothing up. Rounds record `sim_start` and `sim_end`, clients
 `sim_seconds`; the summary `sim_seconds` and, with `system.target_accuracy`, the simulated
 time at which the test accuracy first reached it (time to accuracy).
@@ -36,6 +38,7 @@ from typing import Optional
 import numpy as np
 
 from raysim.errors import ConfigError
+from raysim.runtime.online import Online
 
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s
 # name: (median, spread) of each quantity; spread = sigma of its log-normal (0: every client
@@ -94,28 +97,33 @@ def read_trace(path: str) -> dict[str, np.ndarray]:
 class Clock:
     """The virtual clock (module docstring): devices per client, and the server's time."""
 
-    def __init__(self, cfg, num_clients: int, sizes, flops: float):
+    def __init__(self, cfg, num_clients: int, sizes, flops: float, profile: Optional[str] = None):
         s = cfg.system
-        if s.profile == "trace":
+        profile = profile or s.profile
+        if profile == "trace":
             table = read_trace(s.trace)
             rows = np.arange(num_clients) % len(table["speed"])
             self.devices = {k: v[rows] for k, v in table.items()}
         else:
             rng = np.random.default_rng([int(cfg.seed), 8])
             self.devices = {k: median * np.exp(spread * rng.standard_normal(num_clients)) if spread else
-                            np.full(num_clients, float(median)) for k, (median, spread) in PROFILES[s.profile].items()}
+                            np.full(num_clients, float(median)) for k, (median, spread) in PROFILES[profile].items()}
         self.sizes = np.asarray(sizes)
         self.flops = flops
         self.deadline = float(s.deadline) if s.deadline else None
+        self.online = Online(cfg, num_clients)  # who is online when (runtime/online.py)
         loc = cfg.local
         self.steps = int(loc.steps) * int(loc.batch_size) if loc.get("steps") else None  # samples a client sees, per epoch
         self.now = 0.0
 
     @staticmethod
-    def from_config(cfg, num_clients: int, sizes, model, sample) -> Optional["Clock"]:
-        if cfg.system.profile == "none":
+    def from_config(cfg, num_clients: int, sizes, model, sample, asynchronous: bool = False) -> Optional["Clock"]:
+        """The run's clock: with a `system.profile`, or `uniform` for an asynchronous
+        algorithm (its clients arrive in simulated time); else None."""
+        if cfg.system.profile == "none" and not asynchronous:
             return None
-        return Clock(cfg, num_clients, sizes, flops_per_sample(model, sample))
+        return Clock(cfg, num_clients, sizes, flops_per_sample(model, sample),
+                     "uniform" if cfg.system.profile == "none" else None)
 
     def seconds(self, cid: int, epochs: int, bytes_down: int, bytes_up: int) -> float:
         """Client `cid`'s simulated seconds for one training call."""
@@ -124,15 +132,35 @@ class Clock:
         return float(2 * d["latency"][cid] + bytes_down / d["down"][cid] + samples * self.flops / d["speed"][cid]
                      + bytes_up / d["up"][cid])
 
-    def call(self, cids: list[int], epochs: dict, payload_bytes: int) -> tuple[list[int], list[int], dict]:
-        """A training call of `cids` starting now: (those that make the deadline, those that
-        do not, every client's seconds); the clock moves to the call's end."""
+    def call(self, cids: list[int], epochs: dict, payload_bytes: int) -> tuple[list[int], dict, dict]:
+        """A training call of `cids` starting now: (those whose update is back in time, {the
+        others: why, `deadline` or `offline`}, every client's seconds). The call ends when its
+        last kept client is back, when its last client goes offline, or at the deadline when
+        a client would be later; the clock moves there."""
         took = {c: self.seconds(c, epochs[c], payload_bytes, payload_bytes) for c in cids}
-        kept = [c for c in cids if self.deadline is None or took[c] <= self.deadline]
-        late = [c for c in cids if c not in set(kept)]
-        end = self.deadline if late else max((took[c] for c in kept), default=0.0)
-        self.now += end
-        return kept, late, took
+        kept, lost, ends = [], {}, [0.0]
+        for c in cids:
+            gone = self.online.until(c, self.now)  # None: not online now (a strategy chose it anyway)
+            if self.deadline is not None and took[c] > self.deadline:
+                lost[c] = "deadline"
+                ends.append(self.deadline)
+            elif gone is None or gone < self.now + took[c]:
+                lost[c] = "offline"
+                ends.append(max(0.0, (gone or self.now) - self.now))
+            else:
+                kept.append(c)
+                ends.append(took[c])
+        self.now += max(ends)
+        return kept, lost, took
+
+    def available(self, there: list[int]) -> list[int]:
+        """Of the clients `there`, those online now; when none is, the clock first waits
+        until one comes online."""
+        online = self.online.online(there, self.now)
+        if there and not online:
+            self.now = self.online.next_start(there, self.now)
+            online = self.online.online(there, self.now)
+        return online
 
     def summary(self, rows: list[dict], target: Optional[float]) -> dict:
         """summary.json's simulated time: the run's, and the time to `target` accuracy (None if

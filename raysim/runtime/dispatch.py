@@ -97,9 +97,10 @@ class Dispatch:
 
     # ------------------------------------------------------------------ calls
     def run(self, rnd: int, cids: list[int], epochs: dict, payload: Any, method: str, on: str,
-            stateful: bool) -> Iterator[ClientResult]:
+            stateful: bool, actor: Optional[int] = None) -> Iterator[ClientResult]:
         """Submit every task now (so several cohorts can train at once) and return an
-        iterator over the results in client-id order; dropped clients are skipped."""
+        iterator over the results in client-id order; dropped clients are skipped. `actor`:
+        all of them on that actor (the asynchronous loop spreads single clients itself)."""
         t0 = time.perf_counter()
         size = nbytes(payload)
         self.bytes[0] += size * len(cids)
@@ -124,8 +125,9 @@ class Dispatch:
         # blocks of consecutive clients placed whole: vectorised groups, or partial sums' blocks
         # (one size for both: the config checks), so neither depends on the number of actors
         block = int(self.cfg.local.vectorize_group) if vectorized else self.sum_block if sums else 0
-        pieces = [(a, piece, blocks) for a, chunk, blocks in placement.plan(cids, work, self.n_actors,
-                                                                             self.one_per_client, block)
+        placed = ([(actor % self.n_actors, cids, None)] if actor is not None else
+                  placement.plan(cids, work, self.n_actors, self.one_per_client, block))
+        pieces = [(a, piece, blocks) for a, chunk, blocks in placed
                   for piece in pipeline(chunk, blocks, tasks_per_actor(self.cfg.resources, size))]
         for a, chunk, blocks in pieces:
             states = [self.states.get(c) for c in chunk] if stateful else []

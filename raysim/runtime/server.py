@@ -20,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import ray
@@ -39,6 +39,7 @@ from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime import checkpoint, determinism, placement
 from raysim.runtime.availability import Availability, SystemEffects
+from raysim.runtime.asynchronous import Arrival, InFlight
 from raysim.runtime.clock import Clock
 from raysim.runtime.dispatch import Dispatch
 from raysim.privacy.secagg import SecureAggregation
@@ -150,15 +151,19 @@ class FederatedServer:
         self._select_seconds = 0.0  # this round's, see step()
         # the clients there in the first round this process runs (a resumed run: after its checkpoint)
         self.selection.available = self.availability.available(ckpt["round"] + 1 if ckpt else 1)
+        self.clock = self.flight = None
+        asynchronous = bool(getattr(self.algorithm, "asynchronous", False))
+        if self.cfg.system.profile != "none" or asynchronous:  # simulated time: FLOPs counted on a fresh model
+            rng = torch.get_rng_state()
+            self.clock = Clock.from_config(self.cfg, self.num_clients, self.sizes, self.new_model(), self.x_test[:1],
+                                           asynchronous)
+            torch.set_rng_state(rng)
+            self.record.log(f"simulated time: system.profile={self.cfg.system.profile}"
+                            f"{' (uniform: an asynchronous algorithm)' if self.cfg.system.profile == 'none' else ''}, "
+                            f"{self.clock.flops / 1e6:.2f} MFLOP a sample (forward and backward)")
+            self.flight = InFlight(self)  # clients of an asynchronous algorithm (runtime/asynchronous.py)
         self.selection.setup(self)
         self.algorithm.setup(self)
-        self.clock = None
-        if self.cfg.system.profile != "none":  # simulated time: the model's FLOPs counted on a fresh copy
-            rng = torch.get_rng_state()
-            self.clock = Clock.from_config(self.cfg, self.num_clients, self.sizes, self.new_model(), self.x_test[:1])
-            torch.set_rng_state(rng)
-            self.record.log(f"simulated time: system.profile={self.cfg.system.profile}, "
-                            f"{self.clock.flops / 1e6:.2f} MFLOP a sample (forward and backward)")
         self.start_round = 1
         if ckpt is not None:
             self._restore(ckpt)
@@ -201,14 +206,20 @@ class FederatedServer:
             for c in dropped:
                 self.record.client(rnd, c, method, "dropped", reason="dropout")
         if method == "client_update" and self.clock is not None:  # simulated time: runtime/clock.py
-            cids, late, took = self.clock.call(cids, epochs, nbytes(payload))
+            cids, lost, took = self.clock.call(cids, epochs, nbytes(payload))
             self.record.sim_seconds.update(took)
-            for c in late:
-                self.record.client(rnd, c, method, "dropped", reason="deadline", epochs=epochs[c])
+            for c, why in lost.items():
+                self.record.client(rnd, c, method, "dropped", reason=why, epochs=epochs[c])
         results = self.dispatch.run(rnd, cids, epochs, payload, method, on, bool(self.plugins[on].client_state))
         if self.secagg is not None and method == "client_update" and on == "algorithm":  # the server sees the sum
             return self.secagg.round(rnd, cohort, results)
         return results
+
+    def keep_training(self, rnd: int, concurrency: int, payload: Callable[[], tuple]) -> None:
+        self.flight.keep_training(rnd, concurrency, payload)
+
+    def next_arrival(self, rnd: int) -> Arrival:
+        return self.flight.next_arrival(rnd)
 
     # ------------------------------------------------------------------ round loop
     def step(self, rnd: int) -> dict:
@@ -220,7 +231,11 @@ class FederatedServer:
         self._select_seconds = 0.0
         d.seconds = dict.fromkeys(d.seconds, 0.0)
         bytes_before = list(d.bytes)
-        self.selection.available = there = self.availability.available(rnd)
+        there = self.availability.available(rnd)
+        if self.clock is not None:  # of those, the ones online now (runtime/online.py); with
+            # clients in flight (asynchronous) the clock does not wait for one to come online
+            there = self.clock.online.online(there, self.clock.now) if len(self.flight) else self.clock.available(there)
+        self.selection.available = there
         joining = self.availability.joining(rnd)
         if joining:
             for c in joining:
@@ -325,6 +340,7 @@ class FederatedServer:
             "bytes": list(self.dispatch.bytes),
             "privacy": self.accountant.state_dict() if self.accountant is not None else {},
             "clock": self.clock.now if self.clock is not None else None,
+            "flight": self.flight.state_dict() if self.flight is not None else None,
         })
 
     def _restore(self, ckpt: dict) -> None:
@@ -336,6 +352,7 @@ class FederatedServer:
         torch.set_rng_state(ckpt["torch_rng"])
         if self.clock is not None:
             self.clock.now = float(ckpt["clock"])
+            self.flight.load_state_dict(ckpt["flight"])
         self.record.restore(ckpt)
         self.start_round = int(ckpt["round"]) + 1
 

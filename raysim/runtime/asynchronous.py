@@ -1,0 +1,159 @@
+"""Clients in flight, for asynchronous algorithms (FedBuff, FedAsync; issue 43): the part of
+the server that keeps clients training while the server updates its model, on the virtual
+clock (runtime/clock.py).
+
+A client starts at the clock's time with the payload of the model version it downloads
+(`start`); it is sent to the least busy actor at once, so the clients in flight train in
+parallel. Its update arrives at start + its simulated seconds (`next_arrival`: the earliest
+in simulated time; ties by start order), whatever the order in which actors really finish,
+so an asynchronous run is the same, bit for bit, on any number of actors. A client whose
+online time ends first (runtime/online.py) arrives as a dropout at that time, untrained.
+
+Checkpoints hold the clients in flight (each one's round, start, arrival and payload, one
+copy per model version); a resumed run sends them again, so it continues bit for bit.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from raysim.contract import ClientResult
+from raysim.training import nbytes
+
+
+@dataclass(order=True)
+class Flight:
+    end: float  # simulated time its update arrives (or it goes offline)
+    seq: int  # start order: ties
+    cid: int = field(compare=False)
+    rnd: int = field(compare=False)  # the round it started in: its training seed
+    start: float = field(compare=False)
+    version: int = field(compare=False)  # the server's model version it trains from
+    offline: bool = field(compare=False)
+    epochs: int = field(compare=False, default=1)
+    seconds: float = field(compare=False, default=0.0)  # its simulated seconds, had it stayed online
+    actor: int = field(compare=False, default=0)
+    results: Optional[Iterator[ClientResult]] = field(compare=False, default=None, repr=False)
+
+
+@dataclass
+class Arrival:
+    cid: int
+    result: Optional[ClientResult]  # None: it went offline before its update was back
+    version: int
+    start: float
+    end: float
+    payload: Any  # what it downloaded (FedBuff's update is its model minus this)
+
+
+class InFlight:
+    """The clients training now (module docstring)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.flights: list[Flight] = []  # a heap by (end, seq)
+        self.payloads: dict[int, Any] = {}  # version: what clients of that version downloaded
+        self.seq = 0
+        self.picks = 0  # clients chosen so far: each choice draws from its own stream
+        self.busy = [0] * server.dispatch.n_actors
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+    def cids(self) -> set[int]:
+        return {f.cid for f in self.flights}
+
+    def pick(self, rnd: int) -> Optional[int]:
+        """One client for the selection strategy to start: from those online now and not in
+        flight (None when there is none)."""
+        s = self.server
+        there = s.availability.available(rnd)
+        free = [c for c in s.clock.online.online(there, s.clock.now) if c not in self.cids()]
+        if not free:
+            return None
+        s.selection.available = free
+        self.picks += 1
+        return int(s.selection.select(rnd, 1, s.rng(rnd, 1000 + self.picks))[0])
+
+    def keep_training(self, rnd: int, concurrency: int, payload) -> None:
+        """Start clients (`pick`) until `concurrency` are in flight, each with `payload()` =
+        (what it downloads, its version); with none online and none in flight, the clock
+        first waits for a client to come online."""
+        s = self.server
+        while len(self) < concurrency:
+            cid = self.pick(rnd)
+            if cid is None:
+                if self.flights:
+                    return
+                there = [c for c in s.availability.available(rnd) if c not in self.cids()]
+                s.clock.now = s.clock.online.next_start(there, s.clock.now)
+                continue
+            self.start(rnd, cid, *payload())
+
+    def start(self, rnd: int, cid: int, payload: Any, version: int) -> None:
+        s = self.server
+        epochs = int(s.cfg.local.epochs)
+        if s.system.active:  # stragglers' epochs (a dropout simply does not arrive: it is not started)
+            kept, got, dropped = s.system.apply(rnd, [cid], {cid: epochs})
+            if dropped:
+                s.record.client(rnd, cid, "client_update", "dropped", reason="dropout")
+                return
+            epochs = got[cid]
+        size = nbytes(payload)
+        took = s.clock.seconds(cid, epochs, size, size)
+        gone = s.clock.online.until(cid, s.clock.now)
+        offline = gone is None or gone < s.clock.now + took
+        self.payloads.setdefault(version, payload)
+        self.seq += 1
+        flight = Flight(gone if offline and gone is not None else s.clock.now + took, self.seq, cid, rnd,
+                        s.clock.now, version, offline, epochs, took)
+        self._send(flight)
+        heapq.heappush(self.flights, flight)
+
+    def _send(self, f: Flight) -> None:
+        if f.offline:
+            return
+        f.actor = min(range(len(self.busy)), key=lambda a: (self.busy[a], a))
+        self.busy[f.actor] += 1
+        s = self.server
+        f.results = s.dispatch.run(f.rnd, [f.cid], {f.cid: f.epochs}, self.payloads[f.version], "client_update",
+                                   "algorithm", False, actor=f.actor)
+
+    def next_arrival(self, rnd: int) -> Arrival:
+        """The client in flight whose update arrives first in simulated time; the clock moves
+        there. Its clients-table row is this round's, with its simulated seconds."""
+        s = self.server
+        f = heapq.heappop(self.flights)
+        s.clock.now = max(s.clock.now, f.end)
+        result = None
+        s.record.sim_seconds[f.cid] = f.seconds
+        if f.offline:
+            s.record.client(rnd, f.cid, "client_update", "dropped", reason="offline", epochs=f.epochs)
+        else:
+            self.busy[f.actor] -= 1
+            before = len(s.record.rows)
+            result = next(f.results, None)  # None: its actor died (recorded as dropped)
+            for row in s.record.rows[before:]:  # recorded under the round it arrives in
+                row["round"] = rnd
+        payload = self.payloads[f.version]
+        if not any(g.version == f.version for g in self.flights):
+            self.payloads.pop(f.version)
+        return Arrival(f.cid, result, f.version, f.start, f.end, payload)
+
+    # ---- checkpoints ----
+    def state_dict(self) -> dict:
+        return {"flights": [(f.end, f.seq, f.cid, f.rnd, f.start, f.version, f.offline, f.epochs, f.seconds)
+                            for f in self.flights],
+                "payloads": dict(self.payloads), "seq": self.seq, "picks": self.picks}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The clients in flight at the checkpoint, sent again (their training is a function
+        of their round, client and payload)."""
+        self.payloads = dict(state["payloads"])
+        self.seq, self.picks = state["seq"], state["picks"]
+        self.flights = []
+        for end, seq, cid, rnd, start, version, offline, epochs, seconds in state["flights"]:
+            f = Flight(end, seq, cid, rnd, start, version, offline, epochs, seconds)
+            self._send(f)
+            heapq.heappush(self.flights, f)
