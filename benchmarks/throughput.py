@@ -45,6 +45,13 @@ WORKLOADS = {
     # the same, each actor training its clients as vectorised groups (raysim/vectorized.py)
     "mlp-vec": [*SYNTH, "model=mlp", "num_clients=100", "rounds=10", "local.vectorize=true", "local.vectorize_group=10"],
     "mclr-vec": [*SYNTH, "num_clients=100", "rounds=10", "local.vectorize=true", "local.vectorize_group=10"],
+    # simulated time (issue 43): mclr with devices from a trace and a diurnal availability (24 h online:
+    # the same clients as mclr, every check made), and FedBuff keeping 20 in flight, 20 arrivals a round
+    "mclr-clock": [*SYNTH, "num_clients=100", "rounds=10", "system.profile=trace",
+                   f"system.trace={ROOT / 'examples' / 'device_trace.csv'}", "system.availability=diurnal",
+                   "system.online_hours=24"],
+    "mclr-fedbuff": [*SYNTH, "num_clients=100", "rounds=10", "algorithm=fedbuff", "fedbuff.concurrency=20",
+                     "fedbuff.buffer=20", "system.profile=trace", f"system.trace={ROOT / 'examples' / 'device_trace.csv'}"],
     "cnn-vec": ["dataset=bench_images", "bench_images.samples_per_client=500", "partition=iid", "model=cnn",
                 "num_clients=100", "clients_per_round=10", "rounds=5", "local.batch_size=64", "local.lr=0.01",
                 "local.momentum=0.9", "local.vectorize=true", "local.vectorize_group=5"],
