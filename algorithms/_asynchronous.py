@@ -39,8 +39,13 @@ def staleness_weight(kind: str, tau: int, a: float = 0.5, b: float = 4.0) -> flo
 
 
 def needs_clock(cfg, section: str) -> None:
+    """What an asynchronous run refuses: a deadline (for synchronous rounds), and vectorised
+    groups or partial sums, whose grouping would follow the batches the server happens to send."""
     if cfg.system.deadline:
         raise ConfigError(f"system.deadline times synchronous rounds; algorithm={section} has none (unset it)")
+    if cfg.local.vectorize or cfg.server.partial_sums:
+        raise ConfigError(f"algorithm={section} trains each client alone: unset local.vectorize and "
+                          "server.partial_sums")
 
 
 class Asynchronous(FedAvg):

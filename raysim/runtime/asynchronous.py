@@ -3,8 +3,10 @@ the server that keeps clients training while the server updates its model, on th
 clock (runtime/clock.py).
 
 A client starts at the clock's time with the payload of the model version it downloads
-(`start`); it is sent to the least busy actor at once, so the clients in flight train in
-parallel. Its update arrives at start + its simulated seconds (`next_arrival`: the earliest
+(`start`); clients started since the last batch are sent together (one task per model
+version and actor, to the least busy actors) when one of them is the next to arrive or they
+are a quarter of an actor's share of the clients in flight, so the clients in flight train
+in parallel and a round costs a few tasks, not one per client. Its update arrives at start + its simulated seconds (`next_arrival`: the earliest
 in simulated time; ties by start order), whatever the order in which actors really finish,
 so an asynchronous run is the same, bit for bit, on any number of actors. A client whose
 online time ends first (runtime/online.py) arrives as a dropout at that time, untrained.
@@ -34,7 +36,32 @@ class Flight:
     epochs: int = field(compare=False, default=1)
     seconds: float = field(compare=False, default=0.0)  # its simulated seconds, had it stayed online
     actor: int = field(compare=False, default=0)
-    results: Optional[Iterator[ClientResult]] = field(compare=False, default=None, repr=False)
+    task: Optional["_Task"] = field(compare=False, default=None, repr=False)  # None: not sent yet
+
+
+class _Task:
+    """One task's clients (sent together: same model version, same actor) and their results
+    as they are read, each with its clients-table rows, held until the client's arrival."""
+
+    def __init__(self, results: Iterator[ClientResult]):
+        self.results = results
+        self.got: dict[int, tuple[Optional[ClientResult], list]] = {}
+        self.done = False
+
+    def take(self, cid: int, record) -> tuple[Optional[ClientResult], list]:
+        """Client `cid`'s result (None: its actor died) and rows, reading the task's results
+        up to it; the rows are taken out of the round being recorded."""
+        while cid not in self.got and not self.done:
+            before = len(record.rows)
+            result = next(self.results, None)
+            rows, record.rows[before:] = record.rows[before:], []
+            for row in rows:  # a dead actor's clients are recorded as dropped rows without a result
+                self.got.setdefault(row["cid"], (None, []))[1].append(row)
+            if result is None:
+                self.done = True
+            else:
+                self.got[result.cid] = (result, self.got.get(result.cid, (None, []))[1])
+        return self.got.pop(cid, (None, []))
 
 
 @dataclass
@@ -57,6 +84,9 @@ class InFlight:
         self.seq = 0
         self.picks = 0  # clients chosen so far: each choice draws from its own stream
         self.busy = [0] * server.dispatch.n_actors
+        self.pending: list[Flight] = []  # started, not sent yet
+        self.epochs = int(server.cfg.local.epochs)  # read once: an OmegaConf lookup per client adds up
+        self.sizes: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -68,8 +98,8 @@ class InFlight:
         """One client for the selection strategy to start: from those online now and not in
         flight (None when there is none)."""
         s = self.server
-        there = s.availability.available(rnd)
-        free = [c for c in s.clock.online.online(there, s.clock.now) if c not in self.cids()]
+        busy = self.cids()
+        free = [c for c in s.clock.online.online(s.availability.available(rnd), s.clock.now) if c not in busy]
         if not free:
             return None
         s.selection.available = free
@@ -93,14 +123,16 @@ class InFlight:
 
     def start(self, rnd: int, cid: int, payload: Any, version: int) -> None:
         s = self.server
-        epochs = int(s.cfg.local.epochs)
+        epochs = self.epochs
         if s.system.active:  # stragglers' epochs (a dropout simply does not arrive: it is not started)
             kept, got, dropped = s.system.apply(rnd, [cid], {cid: epochs})
             if dropped:
                 s.record.client(rnd, cid, "client_update", "dropped", reason="dropout")
                 return
             epochs = got[cid]
-        size = nbytes(payload)
+        if version not in self.sizes:
+            self.sizes = {version: nbytes(payload)}  # counted once per model version
+        size = self.sizes[version]
         took = s.clock.seconds(cid, epochs, size, size)
         gone = s.clock.online.until(cid, s.clock.now)
         offline = gone is None or gone < s.clock.now + took
@@ -108,21 +140,32 @@ class InFlight:
         self.seq += 1
         flight = Flight(gone if offline and gone is not None else s.clock.now + took, self.seq, cid, rnd,
                         s.clock.now, version, offline, epochs, took)
-        self._send(flight)
         heapq.heappush(self.flights, flight)
+        if not offline:
+            self.pending.append(flight)  # sent with the next batch (`_send_pending`)
 
-    def _send(self, f: Flight) -> None:
-        if f.offline:
-            return
-        f.actor = min(range(len(self.busy)), key=lambda a: (self.busy[a], a))
-        self.busy[f.actor] += 1
+    def _send_pending(self) -> None:
+        """Send the clients started since the last batch: each to the least busy actor, one
+        task per (model version, actor). Which task trains a client changes nothing in its
+        result (its seed is (seed, start round, cid))."""
         s = self.server
-        f.results = s.dispatch.run(f.rnd, [f.cid], {f.cid: f.epochs}, self.payloads[f.version], "client_update",
-                                   "algorithm", False, actor=f.actor)
+        groups: dict[tuple, list[Flight]] = {}
+        for f in sorted(self.pending, key=lambda f: f.seq):
+            f.actor = min(range(len(self.busy)), key=lambda a: (self.busy[a], a))
+            self.busy[f.actor] += 1
+            groups.setdefault((f.version, f.actor, f.rnd), []).append(f)
+        self.pending = []
+        for (version, actor, rnd), flights in groups.items():
+            results = s.dispatch.run(rnd, [f.cid for f in flights], {f.cid: f.epochs for f in flights},
+                                     self.payloads[version], "client_update", "algorithm", False, actor=actor)
+            task = _Task(results)
+            for f in flights:
+                f.task = task
 
     def next_arrival(self, rnd: int) -> Arrival:
         """The client in flight whose update arrives first in simulated time; the clock moves
-        there. Its clients-table row is this round's, with its simulated seconds."""
+        there (clients started meanwhile are sent in a batch first, see the module docstring).
+        The client's row is this round's, with its simulated seconds."""
         s = self.server
         f = heapq.heappop(self.flights)
         s.clock.now = max(s.clock.now, f.end)
@@ -131,11 +174,15 @@ class InFlight:
         if f.offline:
             s.record.client(rnd, f.cid, "client_update", "dropped", reason="offline", epochs=f.epochs)
         else:
+            # send the clients started meanwhile when this one is among them, or when they are
+            # a quarter of an actor's share of the clients in flight: the actors keep the rest queued
+            if f.task is None or len(self.pending) >= max(1, (len(self.flights) + 1) // (4 * len(self.busy))):
+                self._send_pending()
             self.busy[f.actor] -= 1
-            before = len(s.record.rows)
-            result = next(f.results, None)  # None: its actor died (recorded as dropped)
-            for row in s.record.rows[before:]:  # recorded under the round it arrives in
-                row["round"] = rnd
+            result, rows = f.task.take(f.cid, s.record)
+            for row in rows:  # recorded under the round it arrives in
+                row.update({"round": rnd, "sim_seconds": f.seconds})
+            s.record.rows.extend(rows)
         payload = self.payloads[f.version]
         if not any(g.version == f.version for g in self.flights):
             self.payloads.pop(f.version)
@@ -155,5 +202,6 @@ class InFlight:
         self.flights = []
         for end, seq, cid, rnd, start, version, offline, epochs, seconds in state["flights"]:
             f = Flight(end, seq, cid, rnd, start, version, offline, epochs, seconds)
-            self._send(f)
             heapq.heappush(self.flights, f)
+            if not offline:
+                self.pending.append(f)

@@ -100,7 +100,8 @@ class Dispatch:
             stateful: bool, actor: Optional[int] = None) -> Iterator[ClientResult]:
         """Submit every task now (so several cohorts can train at once) and return an
         iterator over the results in client-id order; dropped clients are skipped. `actor`:
-        all of them on that actor (the asynchronous loop spreads single clients itself)."""
+        all of them on that actor, in the order given (the asynchronous loop places its
+        clients itself)."""
         t0 = time.perf_counter()
         size = nbytes(payload)
         self.bytes[0] += size * len(cids)
@@ -135,11 +136,11 @@ class Dispatch:
             n_returns = n_groups + len(states)
             data = None if a in self._attached else self.shared
             self._attached.add(a)
-            refs = self.actors[a].run.options(num_returns=n_returns).remote(
+            got = self.actors[a].run.options(num_returns=n_returns).remote(
                 data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
                 *states)
-            refs = [refs] if n_returns == 1 else list(refs)
-            calls.append((a, chunk, refs[:n_groups], refs[n_groups:]))
+            got = [got] if n_returns == 1 else list(got)
+            calls.append((a, chunk, got[:n_groups], got[n_groups:]))
         self.seconds["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs)
 
