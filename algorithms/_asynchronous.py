@@ -57,6 +57,10 @@ class Asynchronous(FedAvg):
     returns_model = False  # an arrival is applied alone: no cohort for a model attack to hide in
     trains_privately = False
 
+    @classmethod
+    def vectorizes(cls) -> bool:
+        return False  # each client trains alone (needs_clock)
+
     def setup(self, server: Server) -> None:
         super().setup(server)
         self.version = 0  # server model updates so far
