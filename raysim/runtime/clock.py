@@ -31,14 +31,12 @@ simulator (latency, availability). Both time a round by its slowest kept client,
 """
 from __future__ import annotations
 
-import csv
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from raysim.errors import ConfigError
-from raysim.runtime.online import Online
+from raysim.runtime.online import Online, trace_rows
 
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s
 # name: (median, spread) of each quantity; spread = sigma of its log-normal (0: every client
@@ -68,18 +66,8 @@ def flops_per_sample(model, sample) -> float:
 
 def read_trace(path: str) -> dict[str, np.ndarray]:
     """The devices of a trace file (module docstring), or a ConfigError naming the file and the row."""
-    p = Path(path).expanduser()
-    try:
-        with open(p, newline="") as f:
-            rows = list(csv.reader(f))
-    except OSError as e:
-        raise ConfigError(f"system.trace={path}: cannot read it ({e.strerror})") from None
-    if not rows or [c.strip() for c in rows[0]] != list(TRACE_COLUMNS):
-        raise ConfigError(f"system.trace={path}: the first row must be the header {','.join(TRACE_COLUMNS)}")
     values = []
-    for i, row in enumerate(rows[1:], start=2):
-        if not row or not "".join(row).strip():
-            continue
+    for i, row in trace_rows("system.trace", path, TRACE_COLUMNS):
         try:
             v = [float(x) for x in row]
         except ValueError:

@@ -27,21 +27,24 @@ from raysim.errors import ConfigError
 DAY = 24 * 3600.0
 
 
+def trace_rows(key: str, path: str, header: tuple) -> list[tuple[int, list[str]]]:
+    """(row number, cells) of a trace CSV after its header, blank rows skipped; a file that
+    cannot be read or has another header is a ConfigError naming `key` and the file."""
+    try:
+        with open(Path(path).expanduser(), newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot read it ({e.strerror})") from None
+    if not rows or [c.strip() for c in rows[0]] != list(header):
+        raise ConfigError(f"{key}={path}: the first row must be the header {','.join(header)}")
+    return [(i, row) for i, row in enumerate(rows[1:], start=2) if row and "".join(row).strip()]
+
+
 def read_intervals(path: str) -> dict[int, np.ndarray]:
     """{trace client: (k, 2) array of [start, end) seconds, sorted}, or a ConfigError naming
     the file and the row."""
-    p = Path(path).expanduser()
-    try:
-        with open(p, newline="") as f:
-            rows = list(csv.reader(f))
-    except OSError as e:
-        raise ConfigError(f"system.availability_trace={path}: cannot read it ({e.strerror})") from None
-    if not rows or [c.strip() for c in rows[0]] != ["client", "start_s", "end_s"]:
-        raise ConfigError(f"system.availability_trace={path}: the first row must be the header client,start_s,end_s")
     found: dict[int, list] = {}
-    for i, row in enumerate(rows[1:], start=2):
-        if not row or not "".join(row).strip():
-            continue
+    for i, row in trace_rows("system.availability_trace", path, ("client", "start_s", "end_s")):
         try:
             client, start, end = int(row[0]), float(row[1]), float(row[2])
             ok = len(row) == 3 and client >= 0 and 0 <= start < end and np.isfinite(end)
