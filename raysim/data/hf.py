@@ -300,7 +300,7 @@ class HuggingFace:
         if o.feature_column:
             column = _column(train, o.feature_column, "the inputs", "feature_column")
             x_train, stored = _features(cfg, train, column)
-            x_test = np.asarray(_features(cfg, test, column, share=False)[0])
+            x_test = _features(cfg, test, column, share=False)[0]
         elif o.text_column:
             text = _column(train, o.text_column, "the text", "text_column")
             x_train, x_test = _token_ids(cfg, train[text], test[text])

@@ -75,8 +75,14 @@ def choose(cfg, data_bytes: Optional[int]) -> str:
     if not data_bytes or not ray.is_initialized():
         return "memory"
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
-    one_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
-    return "files" if one_node and store_bytes and data_bytes > CROWDED * store_bytes else "memory"
+    return "files" if _one_node() and store_bytes and data_bytes > CROWDED * store_bytes else "memory"
+
+
+def _one_node() -> bool:
+    """No Ray in this process (a script's `prepare`), or a Ray of one live node."""
+    import ray
+
+    return not ray.is_initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
 
 def in_place(cfg) -> bool:
@@ -85,9 +91,7 @@ def in_place(cfg) -> bool:
     store: their folder may not be on every node)."""
     if cfg.data_store != "auto":
         return cfg.data_store == "files"
-    import ray
-
-    return not ray.is_initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    return _one_node()
 
 
 def need_room(where: Path, nbytes: int) -> None:
@@ -229,9 +233,6 @@ class Rows:
         self.offsets = np.array([at for _, at, _ in segments], dtype=np.int64)
         self.row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
         self._fds: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
     def take(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)

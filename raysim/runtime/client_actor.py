@@ -189,11 +189,8 @@ class ClientRunner:
 
     def _rows(self, rows: np.ndarray, raw: Optional[np.ndarray] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Training samples `rows`, decoded, on the device: gathered from the arrays this actor
-        holds, or (`data_store=files`) those read ahead (`raw`) or read from the files now."""
-        if isinstance(self.x, torch.Tensor):
-            x = self.x[torch.from_numpy(rows).to(self.x.device)]
-        else:
-            x = torch.from_numpy(raw if raw is not None else self.x.take(rows))
+        holds, or (`data_store=files`) those `_read_ahead` read from the files (`raw`)."""
+        x = self.x[torch.from_numpy(rows).to(self.x.device)] if raw is None else torch.from_numpy(raw)
         y = self.y[torch.from_numpy(rows).to(self.y.device)]
         return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)
 

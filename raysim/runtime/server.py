@@ -92,10 +92,10 @@ class FederatedServer:
             self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         arrays = {"x_train": data.x_train, "y_train": data.y_train}
         files = None
-        self.data_store = "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values()))
-        if self.data_store == "memory":  # a stored array the loader did not read (an Arrow cache's): read now
+        where = "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values()))
+        if where == "memory":  # a stored array the loader did not read (an Arrow cache's): read now
             arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        if self.data_store == "files":  # written once, read by every process: data/store.py
+        else:  # written once, read by every process: data/store.py
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
             arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
             data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
@@ -161,7 +161,8 @@ class FederatedServer:
             self.record.log(f"simulated time: system.profile={self.cfg.system.profile}"
                             f"{' (uniform: an asynchronous algorithm)' if self.cfg.system.profile == 'none' else ''}, "
                             f"{self.clock.flops / 1e6:.2f} MFLOP a sample (forward and backward)")
-            self.flight = InFlight(self)  # clients of an asynchronous algorithm (runtime/asynchronous.py)
+            if asynchronous:  # its clients in flight (runtime/asynchronous.py)
+                self.flight = InFlight(self)
         self.selection.setup(self)
         self.algorithm.setup(self)
         self.start_round = 1
@@ -234,7 +235,8 @@ class FederatedServer:
         there = self.availability.available(rnd)
         if self.clock is not None:  # of those, the ones online now (runtime/online.py); with
             # clients in flight (asynchronous) the clock does not wait for one to come online
-            there = self.clock.online.online(there, self.clock.now) if len(self.flight) else self.clock.available(there)
+            in_flight = self.flight is not None and len(self.flight) > 0
+            there = self.clock.online.online(there, self.clock.now) if in_flight else self.clock.available(there)
         self.selection.available = there
         joining = self.availability.joining(rnd)
         if joining:
@@ -352,6 +354,7 @@ class FederatedServer:
         torch.set_rng_state(ckpt["torch_rng"])
         if self.clock is not None:
             self.clock.now = float(ckpt["clock"])
+        if self.flight is not None:
             self.flight.load_state_dict(ckpt["flight"])
         self.record.restore(ckpt)
         self.start_round = int(ckpt["round"]) + 1
