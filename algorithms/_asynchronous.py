@@ -72,10 +72,11 @@ class Asynchronous(FedAvg):
             self._payload = ({"weights": cpu_state(self.model)}, self.version)
         return self._payload
 
-    def arrivals(self, rnd: int, server: Server, n: int, concurrency: int) -> Iterator:
-        for _ in range(n):
-            server.keep_training(rnd, concurrency, self.payload)
-            yield server.next_arrival(rnd)
+    def arrivals(self, rnd: int, server: Server, n: int, concurrency: int, window: int) -> Iterator:
+        """n arrivals, in windows of `window` over which the model clients download stays the
+        same (the server plans and sends a window's clients at once: runtime/asynchronous.py)."""
+        for first in range(0, n, window):
+            yield from server.arrivals(rnd, min(window, n - first), concurrency, self.payload)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "version": self.version}

@@ -36,7 +36,7 @@ class FedAsync(Asynchronous):
     def run_round(self, rnd: int, server: Server) -> dict:
         o = self.cfg.fedasync
         taus, alphas, loss, n = [], [], 0.0, 0
-        for a in self.arrivals(rnd, server, int(o.updates_per_round), int(o.concurrency)):
+        for a in self.arrivals(rnd, server, int(o.updates_per_round), int(o.concurrency), window=1):
             if a.result is None:
                 continue
             tau = self.version - a.version

@@ -37,12 +37,12 @@ class FedBuff(Asynchronous):
         o = self.cfg.fedbuff
         now = self.model.state_dict()
         fold = self.server_rule.round(now, rnd)
-        taus, loss, n = [], 0.0, 0
-        for a in self.arrivals(rnd, server, int(o.buffer), int(o.concurrency)):
+        taus, loss, n, kind = [], 0.0, 0, str(o.staleness)
+        for a in self.arrivals(rnd, server, int(o.buffer), int(o.concurrency), window=int(o.buffer)):
             if a.result is None:  # went offline (or its actor died): nothing arrives
                 continue
             tau = self.version - a.version
-            s = staleness_weight(o.staleness, tau)
+            s = staleness_weight(kind, tau)
             base = a.payload["weights"]
             # the arrival as a model relative to now: w + s (x_i - w_(v_i)); the plain mean
             # of K of these is w + (1/K) sum s Delta (buffers: the client's own)

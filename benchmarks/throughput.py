@@ -73,8 +73,13 @@ WORKLOADS = {
 }
 
 
+ROUNDS = 0  # --rounds: every workload's rounds (0: each its own)
+
+
 def overrides(name: str) -> list[str]:
     ov = COMMON + WORKLOADS[name]
+    if ROUNDS:
+        ov = [o for o in ov if not o.startswith("rounds=")] + [f"rounds={ROUNDS}"]
     rounds = next(int(o.split("=")[1]) for o in ov if o.startswith("rounds="))
     return ov + [f"eval_every={rounds}"]
 
@@ -230,14 +235,14 @@ def measure(name: str) -> dict:
         res["raysim"] = {"round_seconds": secs, "seconds_to_end_of_round_1": summary["seconds_to_end_of_round_1"],
                          "clients_per_round": rows[0]["clients"], "accuracy": summary["final_accuracy"],
                          "peak_rss": peak[0], "peak_pss": peak[1]}
-    r, peak = run_measured([sys.executable, str(Path(__file__).resolve()), "--sequential", name], env)
+    r, peak = run_measured([sys.executable, str(Path(__file__).resolve()), "--sequential", name, f"--rounds={ROUNDS}"], env)
     if r.returncode != 0:
         raise SystemExit(f"sequential run failed:\n{r.stderr[-3000:]}")
     res["sequential"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0], peak_pss=peak[1])
     if not name.startswith("mclr-"):
         # Control: two sequential loops at once. How much they slow each other (shared
         # caches, memory bandwidth, clocks) bounds what any 2-worker runtime can reach.
-        seq_cmd = [sys.executable, str(Path(__file__).resolve()), "--sequential", name]
+        seq_cmd = [sys.executable, str(Path(__file__).resolve()), "--sequential", name, f"--rounds={ROUNDS}"]
         procs = [subprocess.Popen(seq_cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
         pair = [statistics.median(json.loads(p.communicate()[0].strip().splitlines()[-1])["round_seconds"][1:]) for p in procs]
         res["ceiling"] = 2 * statistics.median(res["sequential"]["round_seconds"][1:]) / statistics.mean(pair)
@@ -254,7 +259,7 @@ def speed_ratio(res: dict) -> float:
 
 def report(name: str, res: dict) -> str:
     r, s = res["raysim"], res["sequential"]
-    lines = [f"== {name}: {' '.join(WORKLOADS[name])}",
+    lines = [f"== {name}: {' '.join(WORKLOADS[name])}{f' (--rounds {ROUNDS})' if ROUNDS else ''}",
              f"{'':<34}{'raysim':>12}{'sequential':>12}{'ratio':>10}"]
 
     def row(label, key, fmt, ratio):
@@ -279,18 +284,25 @@ def main() -> int:
     p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     p.add_argument("--repeat", type=int, default=1,
-                   help="measure each workload N times; the table shows the run with the median speed ratio")
+                   help="measure each workload N times, the workloads in turn (a slow spell of the machine hits "
+                        "all of them); the table shows the run with the median speed ratio")
+    p.add_argument("--rounds", type=int, default=0, help="rounds for every workload (default: each its own); "
+                   "more rounds steady a median on a noisy machine")
     p.add_argument("--pss", action="store_true", help="also report peak summed PSS (perturbs the timings)")
     args = p.parse_args()
-    global PSS
-    PSS = args.pss
-    if args.sequential:
+    global PSS, ROUNDS
+    PSS, ROUNDS = args.pss, args.rounds
+    if args.sequential:  # the child inherits --rounds
         print(json.dumps(sequential(args.sequential)))
         return 0
     print(f"host: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, python {sys.version.split()[0]}")
-    all_res = {}
+    all_res, measured = {}, {name: [] for name in args.workloads}
+    for _ in range(max(1, args.repeat) - 1):
+        for name in args.workloads:
+            measured[name].append(measure(name))
     for name in args.workloads:
-        runs = sorted((measure(name) for _ in range(max(1, args.repeat))), key=speed_ratio)
+        measured[name].append(measure(name))
+        runs = sorted(measured[name], key=speed_ratio)
         all_res[name] = dict(runs[len(runs) // 2], speed_ratios=[speed_ratio(r) for r in runs])
         print(report(name, all_res[name]), flush=True)
         if len(runs) > 1:
@@ -301,6 +313,12 @@ def main() -> int:
         per_client = (b["peak_rss"] - a["peak_rss"]) / 9000
         print(f"raysim memory per extra simulated client (1,000 -> 10,000): {per_client / 1024:.1f} KiB "
               f"(its data: about {data_per_client / 1024:.1f} KiB per copy)")
+    for name in ("mclr-clock", "mclr-fedbuff"):  # issue 43's targets: the same cohort, in turn
+        if name in measured and "mclr" in measured:
+            pairs = sorted(r["raysim"]["median_round_seconds"] / base["raysim"]["median_round_seconds"]
+                           for r, base in zip(measured[name], measured["mclr"]))
+            print(f"{name} / mclr, raysim's s/round, repeat by repeat: " + ", ".join(f"{p:.2f}" for p in pairs)
+                  + f" (median {statistics.median(pairs):.2f}; client updates per second: the inverse)")
     if args.json:
         args.json.write_text(json.dumps(all_res, indent=2))
     return 0

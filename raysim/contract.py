@@ -112,8 +112,9 @@ class Server(Protocol):
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator: ...
 
     # asynchronous algorithms (runtime/asynchronous.py; needs system.profile)
-    def keep_training(self, rnd: int, concurrency: int, payload: Callable[[], tuple]) -> None: ...  # (payload, version)
-    def next_arrival(self, rnd: int) -> Any: ...  # the next update in simulated time: cid, result, version, payload
+    # the next n updates in simulated time (cid, result, version, payload), `concurrency` clients
+    # kept training from payload() = (payload, version), which must not change before the n-th
+    def arrivals(self, rnd: int, n: int, concurrency: int, payload: Callable[[], tuple]) -> Iterator[Any]: ...
 
 
 class Algorithm:

@@ -2,14 +2,18 @@
 the server that keeps clients training while the server updates its model, on the virtual
 clock (runtime/clock.py).
 
-A client starts at the clock's time with the payload of the model version it downloads
-(`start`); clients started since the last batch are sent together (one task per model
-version and actor, to the least busy actors) when one of them is the next to arrive or they
-are a quarter of an actor's share of the clients in flight, so the clients in flight train
-in parallel and a round costs a few tasks, not one per client. Its update arrives at start + its simulated seconds (`next_arrival`: the earliest
-in simulated time; ties by start order), whatever the order in which actors really finish,
-so an asynchronous run is the same, bit for bit, on any number of actors. A client whose
-online time ends first (runtime/online.py) arrives as a dropout at that time, untrained.
+`arrivals(n)` hands over the next n updates in simulated-time order. The caller promises
+that the model clients download does not change until the n-th is taken (FedBuff: a buffer;
+FedAsync: one arrival), so the whole window is planned on the clock first: each arrival in
+turn leaves (the earliest end, ties by start order) and a client starts in its place, from
+the same payload. Who starts and when depends only on the clock, the availability and the
+selection's random stream, never on a result. The clients started in the window are then
+sent at once, one task per (model version, actor), to the least busy actors, so they train
+in parallel at a few tasks a window (a task per client ran at 0.67 of the synchronous
+throughput: benchmarks/results-simulated-time-cpu-2core.txt). Results are taken in the
+planned order, whatever the order in which actors really finish, so an asynchronous run is
+the same, bit for bit, on any number of actors. A client whose online time ends first
+(runtime/online.py) arrives as a dropout at that time, untrained.
 
 Checkpoints hold the clients in flight (each one's round, start, arrival and payload, one
 copy per model version); a resumed run sends them again, so it continues bit for bit.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from raysim.contract import ClientResult
 from raysim.training import nbytes
@@ -82,7 +86,7 @@ class InFlight:
         self.flights: list[Flight] = []  # a heap by (end, seq)
         self.payloads: dict[int, Any] = {}  # version: what clients of that version downloaded
         self.seq = 0
-        self.picks = 0  # clients chosen so far: each choice draws from its own stream
+        self.round: Optional[tuple] = None  # (round, the clients there, the stream its picks draw from)
         self.busy = [0] * server.dispatch.n_actors
         self.pending: list[Flight] = []  # started, not sent yet
         self.epochs = int(server.cfg.local.epochs)  # read once: an OmegaConf lookup per client adds up
@@ -98,13 +102,14 @@ class InFlight:
         """One client for the selection strategy to start: from those online now and not in
         flight (None when there is none)."""
         s = self.server
+        if self.round is None or self.round[0] != rnd:  # a round's picks draw in turn from one stream
+            self.round = (rnd, s.availability.available(rnd), s.rng(rnd, 1000))
         busy = self.cids()
-        free = [c for c in s.clock.online.online(s.availability.available(rnd), s.clock.now) if c not in busy]
+        free = [c for c in s.clock.online.online(self.round[1], s.clock.now) if c not in busy]
         if not free:
             return None
         s.selection.available = free
-        self.picks += 1
-        return int(s.selection.select(rnd, 1, s.rng(rnd, 1000 + self.picks))[0])
+        return int(s.selection.select(rnd, 1, self.round[2])[0])
 
     def keep_training(self, rnd: int, concurrency: int, payload) -> None:
         """Start clients (`pick`) until `concurrency` are in flight, each with `payload()` =
@@ -162,43 +167,55 @@ class InFlight:
             for f in flights:
                 f.task = task
 
-    def next_arrival(self, rnd: int) -> Arrival:
-        """The client in flight whose update arrives first in simulated time; the clock moves
-        there (clients started meanwhile are sent in a batch first, see the module docstring).
-        The client's row is this round's, with its simulated seconds."""
+    def arrivals(self, rnd: int, n: int, concurrency: int, payload: Callable[[], tuple]) -> Iterator[Arrival]:
+        """The next `n` updates in simulated time, `concurrency` clients kept in flight, each
+        starting with `payload()` = (what it downloads, its version), which must not change
+        before the n-th is taken (module docstring)."""
+        window = []
+        for _ in range(n):
+            self.keep_training(rnd, concurrency, payload)
+            window.append(self._leave(rnd))
+        self._send_pending()
+        downloaded = {f.version: self.payloads[f.version] for f in window}
+        training = {f.version for f in self.flights}  # the payloads a checkpoint keeps
+        self.payloads = {v: p for v, p in self.payloads.items() if v in training}
+        for f in window:
+            yield self._land(rnd, f, downloaded[f.version])
+
+    def _leave(self, rnd: int) -> Flight:
+        """The client in flight that arrives first: the clock moves there."""
         s = self.server
         f = heapq.heappop(self.flights)
         s.clock.now = max(s.clock.now, f.end)
-        result = None
         s.record.sim_seconds[f.cid] = f.seconds
         if f.offline:
             s.record.client(rnd, f.cid, "client_update", "dropped", reason="offline", epochs=f.epochs)
-        else:
-            # send the clients started meanwhile when this one is among them, or when they are
-            # a quarter of an actor's share of the clients in flight: the actors keep the rest queued
-            if f.task is None or len(self.pending) >= max(1, (len(self.flights) + 1) // (4 * len(self.busy))):
-                self._send_pending()
+        return f
+
+    def _land(self, rnd: int, f: Flight, payload: Any) -> Arrival:
+        """Its result (None when it went offline or its actor died); its clients-table row is
+        this round's, with its simulated seconds."""
+        s = self.server
+        result = None
+        if not f.offline:
             self.busy[f.actor] -= 1
             result, rows = f.task.take(f.cid, s.record)
             for row in rows:  # recorded under the round it arrives in
                 row.update({"round": rnd, "sim_seconds": f.seconds})
             s.record.rows.extend(rows)
-        payload = self.payloads[f.version]
-        if not any(g.version == f.version for g in self.flights):
-            self.payloads.pop(f.version)
         return Arrival(f.cid, result, f.version, f.start, f.end, payload)
 
     # ---- checkpoints ----
     def state_dict(self) -> dict:
         return {"flights": [(f.end, f.seq, f.cid, f.rnd, f.start, f.version, f.offline, f.epochs, f.seconds)
                             for f in self.flights],
-                "payloads": dict(self.payloads), "seq": self.seq, "picks": self.picks}
+                "payloads": dict(self.payloads), "seq": self.seq}
 
     def load_state_dict(self, state: dict) -> None:
         """The clients in flight at the checkpoint, sent again (their training is a function
         of their round, client and payload)."""
         self.payloads = dict(state["payloads"])
-        self.seq, self.picks = state["seq"], state["picks"]
+        self.seq = state["seq"]
         self.flights = []
         for end, seq, cid, rnd, start, version, offline, epochs, seconds in state["flights"]:
             f = Flight(end, seq, cid, rnd, start, version, offline, epochs, seconds)

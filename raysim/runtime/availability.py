@@ -50,10 +50,7 @@ class SystemEffects:
         share = float(self.cfg.stragglers)  # a share > 0 makes at least one straggler
         n_slow = max(1, int(round(share * num_clients))) if share > 0 else 0
         self.stragglers = set(np.random.default_rng([self.seed, 4]).choice(num_clients, n_slow, replace=False).tolist())
-
-    @property
-    def active(self) -> bool:
-        return self.cfg.dropout > 0 or bool(self.stragglers)
+        self.active = self.cfg.dropout > 0 or bool(self.stragglers)  # read per client by asynchronous runs
 
     def apply(self, rnd: int, cids: list[int], epochs: dict) -> tuple[list[int], dict, list[int]]:
         """(the clients that train, their epochs, the clients that dropped out) of a

@@ -216,11 +216,8 @@ class FederatedServer:
             return self.secagg.round(rnd, cohort, results)
         return results
 
-    def keep_training(self, rnd: int, concurrency: int, payload: Callable[[], tuple]) -> None:
-        self.flight.keep_training(rnd, concurrency, payload)
-
-    def next_arrival(self, rnd: int) -> Arrival:
-        return self.flight.next_arrival(rnd)
+    def arrivals(self, rnd: int, n: int, concurrency: int, payload: Callable[[], tuple]) -> Iterator[Arrival]:
+        return self.flight.arrivals(rnd, n, concurrency, payload)
 
     # ------------------------------------------------------------------ round loop
     def step(self, rnd: int) -> dict:
