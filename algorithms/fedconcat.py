@@ -164,6 +164,7 @@ class FedConcat(Algorithm):
     Options = FedConcatOptions
     config_section = "fedconcat"  # fedconcat_id reads the same options
     client_state = True  # the cached features
+    finetunes = False  # its evaluated model is the concatenation, not a client's model
     infer_labels = False  # FedConcat-ID: True
 
     @property

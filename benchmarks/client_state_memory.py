@@ -1,7 +1,9 @@
-"""Memory per client of the stateful baselines at 1,000 clients: SCAFFOLD keeps a control
-variate c_i per client, MOON the client's previous model; FedAvg keeps nothing.
+"""Memory per client of the stateful algorithms at 1,000 clients: SCAFFOLD keeps a control
+variate c_i per client, MOON the client's previous model, FedPer / FedRep a head, Ditto a
+whole model; FedAvg keeps nothing.
 
     python benchmarks/client_state_memory.py [--clients 1000]
+    python benchmarks/client_state_memory.py --clients 10000 --algorithms fedavg fedper   # issue 44
 
 Each algorithm runs as a fresh `python -m raysim.run` (its own local Ray, 2 client actors):
 FedProx Synthetic data, 25 samples per client, the MLP (60-200-200-10), every client
@@ -46,6 +48,10 @@ def state_bytes(algorithm: str) -> int:
         return sum(v.numel() * v.element_size() for v in model.state_dict().values())  # the whole previous model
     if algorithm == "scaffold":
         return sum(p.numel() * p.element_size() for p in model.parameters())  # c_i
+    if algorithm in ("fedper", "fedrep"):
+        return sum(v.numel() * v.element_size() for v in model.head.state_dict().values())  # its head
+    if algorithm in ("ditto", "apfl"):
+        return sum(v.numel() * v.element_size() for v in model.state_dict().values())  # v
     return 0
 
 
@@ -61,7 +67,7 @@ def main() -> int:
           f"{args.clients} clients, all selected each of 3 rounds, MLP on Synthetic, "
           f"checkpoint_every={args.checkpoint_every}")
     print(f"{'algorithm':<10}{'state/client':>14}{'peak PSS MB':>13}{'peak RSS MB':>13}{'extra PSS/client':>18}"
-          f"{'checkpoint/client':>19}")
+          f"{'checkpoint/client':>19}{'s/round':>9}")
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algorithms:
@@ -75,8 +81,12 @@ def main() -> int:
             ckpt = f.stat().st_size if f.exists() else 0
             base = base if base is not None else (peak[1], ckpt)
             extra = (peak[1] - base[0]) / args.clients
+            import pyarrow.parquet as pq
+
+            secs = sorted(pq.read_table(Path(tmp) / algo / "metrics.parquet", columns=["seconds"])["seconds"].to_pylist())
             print(f"{algo:<10}{state_bytes(algo) / 1024:>11.1f} KiB{peak[1] / 2**20:>13.0f}{peak[0] / 2**20:>13.0f}"
-                  f"{extra / 1024:>14.1f} KiB{(ckpt - base[1]) / args.clients / 1024:>15.1f} KiB", flush=True)
+                  f"{extra / 1024:>14.1f} KiB{(ckpt - base[1]) / args.clients / 1024:>15.1f} KiB"
+                  f"{secs[len(secs) // 2]:>9.2f}", flush=True)
     print("(extra PSS and checkpoint per client: over the first algorithm, FedAvg)")
     return 0
 

@@ -212,6 +212,21 @@ class Algorithm:
         models = self.eval_models()
         return {next(iter(models)): list(cids)} if models else {}
 
+    finetunes: ClassVar[bool] = True
+    """False: its evaluated model is not the model its clients train (FedConcat's
+    concatenation), so `eval.finetune_epochs` cannot fine-tune it on a client: refused."""
+    personal: ClassVar[bool] = False
+    """True: each client has a model of its own (FedPer's head, Ditto's v): evaluation on the
+    clients' own test data (`partition.test_fraction`) also tests each client's model
+    (`personalise`; runtime/personal_eval.py), as `eval.finetune_epochs` does for any algorithm."""
+
+    def personal_payload(self, name: str, model: torch.nn.Module) -> Any:
+        """What `personalise` receives for the clients `model` (`eval_models()[name]`)
+        serves. Default: its weights."""
+        from raysim.training import cpu_state
+
+        return {"weights": cpu_state(model)}
+
     def state_dict(self) -> dict:
         """Server state: saved as the run's final model and in its checkpoints. Override
         (with `load_state_dict`) when the server keeps more than its evaluated models, e.g.
@@ -229,6 +244,32 @@ class Algorithm:
         what the server's `aggregate` folds. Any other method named by
         `server.run_clients(..., method=NAME)` has the same shape."""
         raise NotImplementedError
+
+    def personalise(self, client: Client, payload: Any) -> ClientResult:
+        """The client's own model for personalised evaluation (runtime/personal_eval.py),
+        returned as a state dict of the served model's shape: the served model (`payload`),
+        made the client's by `make_personal`, then fine-tuned `eval.finetune_epochs` epochs
+        on the client's training data (its own random stream). Must leave `client.state`
+        as it was: evaluation does not train the client."""
+        from raysim.seeds import seed_for
+        from raysim.training import base_loss, cpu_state, local_sgd
+
+        model = client.model
+        model.load_state_dict(payload["weights"])
+        self.make_personal(client, model, payload)
+        stats, epochs = {}, self.finetune_epochs(client.cfg)
+        if epochs > 0:
+            client.generator.manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, 44))
+            stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0)
+        return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
+
+    def make_personal(self, client: Client, model: torch.nn.Module, payload: Any) -> None:
+        """Turn the served model (loaded in `model`) into the client's own: a personalised
+        algorithm loads the part it keeps in `client.state`. Default: nothing."""
+
+    def finetune_epochs(self, cfg: DictConfig) -> int:
+        """Epochs `personalise` fine-tunes for: `eval.finetune_epochs` (FedBABU: its own)."""
+        return int(cfg.eval.finetune_epochs)
 
     def local_loss(self, client: Client, payload: Any) -> Callable:
         """The loss `loss(model, x, y)` that local SGD minimises, for client updates built

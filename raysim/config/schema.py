@@ -49,6 +49,9 @@ class EvalConfig:
     # CIFAR-10-LT: > 1500, < 200)
     shots: List[int] = field(default_factory=lambda: [1500, 200])
     tau_norm: float = 0.0  # > 0: evaluate every model with classifier rows w_c / ||w_c||^tau (0: off)
+    # > 0: also each client's model fine-tuned this many epochs on its own training data, tested on
+    # its own test split (`personal_accuracy`: FedAvg-FT for any algorithm; needs partition.test_fraction)
+    finetune_epochs: int = 0
 
 
 @dataclass

@@ -89,6 +89,7 @@ def validate(cfg: DictConfig) -> None:
     need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
     need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
+    need(cfg.eval.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0 (0: off), got {cfg.eval.finetune_epochs}")
     need(cfg.eval.tau_norm >= 0, f"eval.tau_norm must be >= 0 (0: off, 1: unit-norm classifier rows), got {cfg.eval.tau_norm}")
     shots = list(cfg.eval.shots)
     need(len(shots) == 2 and shots[0] >= shots[1] >= 0,
@@ -107,6 +108,9 @@ def validate(cfg: DictConfig) -> None:
         takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).trains_on_base_loss]
         raise ConfigError(f"local.focal_gamma: algorithm {cfg.algorithm!r} trains on its own loss, not the plain one; "
                           f"algorithms that take it: {', '.join(takes)}")
+    if cfg.eval.finetune_epochs > 0 and not registry.ALGORITHMS.get(cfg.algorithm).finetunes:
+        raise ConfigError(f"eval.finetune_epochs: algorithm {cfg.algorithm!r} evaluates a model its clients do not "
+                          "train, so a client cannot fine-tune it; unset eval.finetune_epochs")
     try:
         augmentation_name(loc.augment)
     except ValueError:

@@ -23,6 +23,9 @@ def summarize(rows: list[dict], wall_seconds: float, client_updates: int, first_
     std = math.sqrt(sum((a - mean) ** 2 for a in last) / len(last)) if last else float("nan")
     local = [r["local_accuracy"] for r in rows if r.get("local_accuracy") is not None]  # runtime/local_eval.py
     extra = {"final_local_accuracy": local[-1], "best_local_accuracy": max(local)} if local else {}
+    personal = [r["personal_accuracy"] for r in rows if r.get("personal_accuracy") is not None]  # personal_eval.py
+    if personal:
+        extra.update(final_personal_accuracy=personal[-1], best_personal_accuracy=max(personal))
     for group in ("many", "medium", "few"):  # long-tailed data: the classes by training samples
         got = [r[f"{group}_accuracy"] for r in rows if r.get(f"{group}_accuracy") is not None]
         if got:

@@ -31,6 +31,7 @@ class LocalTests:
         self.cids = [int(c) for c in np.flatnonzero(sizes)]  # clients with a local test sample
         index = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in test_index])
         self.owner = np.repeat(np.arange(len(test_index)), sizes)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])  # client c's rows: starts[c]:starts[c + 1]
         self.x = inputs(np.ascontiguousarray(x[index]))  # what models take (images: decoded from uint8)
         self.y = torch.from_numpy(np.ascontiguousarray(y[index]))
         self.batch_size = batch_size
@@ -59,6 +60,13 @@ class LocalTests:
             "local_accuracy_min": float(acc.min()),
         }
         return metrics, dict(zip(mine, acc.tolist()))
+
+    def hits(self, model: torch.nn.Module, cid: int, state: dict) -> int:
+        """How many of client `cid`'s test samples `model`, loaded with `state`, gets right
+        (personalised evaluation: runtime/personal_eval.py)."""
+        model.load_state_dict(state)
+        rows = slice(int(self.starts[cid]), int(self.starts[cid + 1]))
+        return int(self._hits(model, self.x[rows], self.y[rows]).sum())
 
     def _hits(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
         model.eval()

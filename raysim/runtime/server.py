@@ -37,7 +37,7 @@ from raysim.errors import RunDiverged
 from raysim.preflight import run_dir_for
 from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
-from raysim.runtime import checkpoint, determinism, placement
+from raysim.runtime import checkpoint, determinism, personal_eval, placement
 from raysim.runtime.availability import Availability, SystemEffects
 from raysim.runtime.asynchronous import Arrival, InFlight
 from raysim.runtime.clock import Clock
@@ -103,6 +103,10 @@ class FederatedServer:
                                  num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
+        if int(self.cfg.eval.finetune_epochs) > 0 and self.local_tests is None:
+            self.dispatch.release()
+            raise ConfigError("eval.finetune_epochs: fine-tuned models are tested on each client's own test data, and "
+                              "these clients have none: set partition.test_fraction (e.g. 0.2)")
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         # long-tailed data: accuracy on the many / medium / few-shot classes (data/long_tail.py)
@@ -255,6 +259,7 @@ class FederatedServer:
         if self.clock is not None:
             row.update(sim_start=sim_start, sim_end=self.clock.now)
         evaluated: dict[int, float] = {}  # per-client accuracy on local test data
+        personal_accuracy: dict[int, float] = {}  # ... of the client's own model (runtime/personal_eval.py)
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
             for i, (name, model) in enumerate(models.items()):
                 ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
@@ -266,6 +271,9 @@ class FederatedServer:
                 cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
+                if personal_eval.wanted(self.cfg, self.algorithm):  # each client's own model
+                    personal, personal_accuracy = personal_eval.evaluate(self, rnd, models, cids)
+                    row.update(personal)
         row.update(extra)
         if self.secagg is not None:  # what the secure sum cost, and whether it failed
             row.update(self.secagg.metrics)
@@ -280,7 +288,7 @@ class FederatedServer:
             row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
                         "cohort_labels": int((cohort > 0).sum())})
         # this round's calls (not joins, nor a selection's round-0 uploads for newcomers)
-        calls = [r for r in record.rows if r["method"] != "join" and r["round"] == rnd]
+        calls = [r for r in record.rows if r["method"] not in ("join", "personalise") and r["round"] == rnd]
         ok = [r for r in calls if r["status"] == "ok"]
         timing = {"select": self._select_seconds, **d.seconds}
         row.update({
@@ -302,6 +310,8 @@ class FederatedServer:
         })
         for cid, acc in evaluated.items():
             record.client(rnd, cid, "evaluate", "ok", accuracy=acc, num_samples=int(self.local_tests.sizes[cid]))
+        for cid, acc in personal_accuracy.items():
+            record.client(rnd, cid, "evaluate_personal", "ok", accuracy=acc, num_samples=int(self.local_tests.sizes[cid]))
         record.round(row)
         every = int(self.cfg.checkpoint_every)
         if every and (rnd % every == 0 or rnd == int(self.cfg.rounds)):

@@ -1,0 +1,137 @@
+"""What the personalised algorithms share (issue 44): FedAvg over the part of the model every
+client shares, while each client keeps a part of its own (FedPer, FedRep: the head; LG-FedAvg:
+the encoder) or a whole model of its own (Ditto, APFL) in `client.state`, which the runtime
+stores between rounds, checkpoints and resumes.
+
+Which layers are which comes from the model zoo's split (every model is an `EncoderHead`:
+`encoder.*` and `head.*` state-dict keys); no algorithm names a model's layers.
+
+- The server holds one model; it broadcasts the shared part only (what the client downloads,
+  and counts as bytes) and folds the shared part of the clients' uploads through the server
+  parts (`server.aggregator`, `server.optimizer`; buffers: the plain weighted mean). The part
+  it does not share stays at its initial value on the server.
+- A client starts from its own part as it left it, or, the first time, from the initial
+  model (built from the run's seed on the actor: the same weights as the server's round-0
+  model, as in PFLlib where every client starts with a copy of the initial model).
+- Its personal model for evaluation (`personalise`, runtime/personal_eval.py) is the served
+  global model with the client's own part loaded (`make_personal`).
+
+Reference implementation compared: PFLlib (TsingZ0/PFLlib, system/flcore/clients/clientper.py,
+clientrep.py, clientlg.py, clientditto.py, clientapfl.py, clientbabu.py and the matching
+servers), where each client object holds its model in one process.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+from raysim.aggregation import ServerRule
+from raysim.contract import Client, ClientResult, Server
+from raysim.training import cpu_state, local_sgd, parameter_names
+
+from raysim.algorithms.fedavg import FedAvg
+
+
+def part_keys(model: torch.nn.Module, part: str) -> set[str]:
+    """The state-dict keys of a part of the model: "encoder", "head" or "all"."""
+    keys = set(model.state_dict())
+    return keys if part == "all" else {k for k in keys if k.startswith(part + ".")}
+
+
+@contextmanager
+def frozen(model: torch.nn.Module, part: str) -> Iterator[None]:
+    """Train with `part`'s parameters fixed (FedRep's phases, FedBABU's head); the actor's
+    scratch model gets its flags back afterwards."""
+    params = [p for n, p in model.named_parameters() if part == "all" or n.startswith(part + ".")]
+    was = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, w in zip(params, was):
+            p.requires_grad_(w)
+
+
+class Personal(FedAvg):
+    """FedAvg over `shared` ("encoder", "head" or "all"); each client keeps `kept` ("head",
+    "encoder", or None: nothing of its own) in `client.state["kept"]`. Subclasses change the
+    client's training (`train`) and, for a whole personal model, `make_personal` / `keep`."""
+
+    shared = "encoder"
+    kept: Optional[str] = "head"
+    personal = True
+    client_state = True
+    server_parts = ("aggregator", "optimizer")
+    own_server_rule = "its clients keep part of the model (or a model) of their own: no DP reading is implemented"
+    returns_model = False  # a part of the model: model attacks replace whole models
+    trains_privately = False
+
+    # ---- server ----
+    def setup(self, server: Server) -> None:
+        self.model = server.new_model()
+        self.shared_keys = part_keys(self.model, self.shared)
+        self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model) & self.shared_keys,
+                                      self.server_optimizer())
+
+    def broadcast(self, rnd: int) -> dict:
+        return {"weights": {k: v for k, v in cpu_state(self.model).items() if k in self.shared_keys}}
+
+    def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
+        state = self.model.state_dict()
+        current = {k: v for k, v in state.items() if k in self.shared_keys}
+        fold, loss_sum = self.server_rule.round(current, rnd), 0.0
+        for r in results:  # (no partial sums: the config refuses them, returns_model being False)
+            fold.add(r.update, r.num_samples)
+            loss_sum += r.metrics["loss"] * r.num_samples
+        new = fold.result(current)
+        if new is None:  # every client dropped out
+            return {}
+        self.model.load_state_dict({**state, **new})
+        return {"train_loss": loss_sum / fold.total}
+
+    # ---- client ----
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        model = client.model
+        model.load_state_dict({**self.initial(client), **payload["weights"]})
+        self.make_personal(client, model, payload)
+        stats = self.train(client, model, payload)
+        self.keep(client, model)
+        shared = self._shared_keys(model)
+        return ClientResult(client.cid, client.num_samples,
+                            {k: v for k, v in cpu_state(model).items() if k in shared}, stats)
+
+    def train(self, client: Client, model: torch.nn.Module, payload: dict) -> dict:
+        """Local training of the whole model (FedPer, LG-FedAvg): FedAvg's."""
+        return local_sgd(client, model, self.local_loss(client, payload))
+
+    def make_personal(self, client: Client, model: torch.nn.Module, payload) -> None:
+        """The client's own part, as it kept it (none yet: the initial model's, loaded by
+        `client_update`; in evaluation the served model's, which the server never changes)."""
+        if "kept" in client.state:
+            model.load_state_dict(client.state["kept"], strict=False)
+
+    def keep(self, client: Client, model: torch.nn.Module) -> None:
+        if self.kept is not None:
+            mine = part_keys(model, self.kept)
+            client.state["kept"] = {k: v for k, v in cpu_state(model).items() if k in mine}
+
+    def initial(self, client: Client) -> dict:
+        """The run's initial model (the server's round-0 weights: the same seed, the same
+        build), made once per actor without touching the actor's random state."""
+        if getattr(self, "_initial", None) is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(client.cfg.seed))
+                self._initial = cpu_state(self.build_model(self.input_shape))
+        return self._initial
+
+    def _shared_keys(self, model: torch.nn.Module) -> set[str]:
+        if getattr(self, "_client_shared", None) is None:
+            self._client_shared = part_keys(model, self.shared)
+        return self._client_shared
+
+    @classmethod
+    def vectorizes(cls) -> bool:
+        return False  # each client trains its own part: one at a time

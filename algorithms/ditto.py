@@ -1,0 +1,52 @@
+"""Ditto (Li, Hu, Beirami, Smith 2021, "Ditto: Fair and Robust Federated Learning Through
+Personalization", Algorithm 1): the global model w is FedAvg's; each client also keeps a
+personal model v_k, trained each round it is selected for `ditto.personal_epochs` on
+    f_k(v_k) + lambda/2 ||v_k - w^t||^2
+(w^t: the global model it received), before its FedAvg update of w. Its personal model is
+v_k (the run's initial model until it is first selected). Compared with PFLlib's
+clientditto.py (`ptrain`: PerturbedGradientDescent, g + mu (v - w), on the received global,
+then `train`); the same step, through the proximal loss's gradient. See algorithms/_personal.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysim.contract import Client, ClientResult
+from raysim.options import Options, option
+from raysim.registry import ALGORITHMS
+from raysim.training import base_loss, cpu_state, local_sgd
+
+from raysim.algorithms._personal import Personal
+from raysim.algorithms.fedprox import proximal_loss
+
+
+@dataclass
+class DittoOptions(Options):
+    lam: float = option(0.1, at_least=0)  # lambda: the pull of the personal model towards the global one
+    personal_epochs: int = option(1, at_least=1)  # epochs on v_k per round
+
+
+@ALGORITHMS.register("ditto")
+class Ditto(Personal):
+    Options = DittoOptions
+    shared = "all"
+    kept = None  # a whole model of its own: client.state["v"]
+
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        model, o = client.model, client.cfg.ditto
+        received = {k: v.to(client.device) for k, v in payload["weights"].items()}
+        # 1. the personal model: v_k <- v_k - lr (grad f_k(v_k) + lambda (v_k - w^t))
+        model.load_state_dict(client.state.get("v", self.initial(client)))
+        anchor = [received[n].detach() for n, _ in model.named_parameters()]
+        personal = local_sgd(client, model, proximal_loss(float(o.lam), anchor, base_loss(client.cfg.local)),
+                             epochs=int(o.personal_epochs), steps=0)
+        client.state["v"] = cpu_state(model)
+        # 2. the global model's update: FedAvg's
+        model.load_state_dict(received)
+        stats = local_sgd(client, model, self.local_loss(client, payload))
+        return ClientResult(client.cid, client.num_samples, cpu_state(model),
+                            {**stats, "personal_loss": personal["loss"]})
+
+    def make_personal(self, client: Client, model: torch.nn.Module, payload) -> None:
+        model.load_state_dict(client.state.get("v", self.initial(client)))

@@ -1,0 +1,44 @@
+"""FedBABU (Oh, Kim, Yun 2022, "FedBABU: Towards Enhanced Representation for Federated Image
+Classification"): the head stays at its random initial weights throughout training (never
+trained, never uploaded); clients train the encoder (the body) only and the server averages
+it. A client's personal model is the global model fine-tuned on its own training data for
+`fedbabu.finetune_epochs` (the whole model, as the paper's and PFLlib's default; `fedbabu.finetune=head`
+fine-tunes the head alone), tested on its own test split. Compared with PFLlib's clientbabu.py
+(head frozen with requires_grad=False; `fine_tune(['base', 'head'])`). See algorithms/_personal.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raysim.contract import Client, ClientResult
+from raysim.options import Options, option
+from raysim.registry import ALGORITHMS
+from raysim.training import local_sgd
+
+from raysim.algorithms._personal import Personal, frozen
+
+
+@dataclass
+class FedBABUOptions(Options):
+    finetune_epochs: int = option(5, at_least=1)  # fine-tuning for evaluation (eval.finetune_epochs > 0 wins)
+    finetune: str = option("all", choices=("all", "head"))  # which part the fine-tuning trains
+
+
+@ALGORITHMS.register("fedbabu")
+class FedBABU(Personal):
+    Options = FedBABUOptions
+    shared = "encoder"
+    kept = None  # nothing of its own between rounds: the head is everyone's initial one
+    client_state = False
+
+    def train(self, client: Client, model, payload: dict) -> dict:
+        with frozen(model, "head"):
+            return local_sgd(client, model, self.local_loss(client, payload))
+
+    def finetune_epochs(self, cfg) -> int:
+        return int(cfg.eval.finetune_epochs) or int(cfg.fedbabu.finetune_epochs)
+
+    def personalise(self, client: Client, payload) -> ClientResult:
+        if client.cfg.fedbabu.finetune == "head":
+            with frozen(client.model, "encoder"):
+                return super().personalise(client, payload)
+        return super().personalise(client, payload)
