@@ -176,6 +176,8 @@ def _main(args, say, t_start: float) -> int:
     else:  # with local test splits, the clients' own accuracy too (clustered FL's headline number)
         on_clients = (f"; on the clients' test data {local:.4f}, best {summary['best_local_accuracy']:.4f}"
                       if local is not None else "")
+        if summary.get("final_personal_accuracy") is not None:  # each client's own model (personal_eval.py)
+            on_clients += f"; their own models {summary['final_personal_accuracy']:.4f}"
         after = summary.get("after_training")  # a post-hoc step (CCVR's calibration) made the final model
         best = f"best {summary['best_accuracy']:.4f}"
         if after:
