@@ -44,8 +44,8 @@ def main() -> int:
         key = dict(part.split("=", 1) for part in run.name.split(","))
         pooled[(key.get("split", ""), key.get("method", ""))].extend(run_rows(run))
     head = "".join(f"{f'{lo}-{hi}' if hi < 99 else f'{lo}+':>16}" for lo, hi in BINS)
-    print(f"{'split':<16}{'method':<28}{head}{'corr':>8}")
-    print(f"{'':<44}" + "".join(f"{'acc (clients)':>16}" for _ in BINS) + "   (rounds trained -> personal accuracy)")
+    print(f"{'split':<20}{'method':<26}{head}{'corr':>8}")
+    print(f"{'':<46}" + "".join(f"{'acc (clients)':>16}" for _ in BINS) + "   (rounds trained -> personal accuracy)")
     for (split, method), rows in sorted(pooled.items()):
         if not rows:
             continue
@@ -55,10 +55,29 @@ def main() -> int:
             m = (k >= lo) & (k <= hi)
             cells.append(f"{(a[m] * n[m]).sum() / n[m].sum():.3f} ({int(m.sum()):>3})" if m.any() else "-")
         corr = np.corrcoef(k, a)[0, 1] if k.std() > 0 and a.std() > 0 else float("nan")
-        print(f"{split:<16}{method:<28}" + "".join(f"{c:>16}" for c in cells) + f"{corr:>8.2f}")
+        print(f"{split:<20}{method:<26}" + "".join(f"{c:>16}" for c in cells) + f"{corr:>8.2f}")
     print("(each cell: accuracy weighted by test samples over the clients, all seeds pooled, that trained that "
           "many rounds; corr: Pearson's r between rounds trained and accuracy)")
+    alphas = apfl_alphas(args.sweep)
+    for (split, method), a in sorted(alphas.items()):
+        print(f"APFL's alpha after the last round, {split} {method}: percentiles 0/10/50/90/100 = "
+              + " / ".join(f"{v:.3f}" for v in np.percentile(a, [0, 10, 50, 90, 100])) + f" ({len(a)} clients)")
     return 0
+
+
+def apfl_alphas(sweep: Path) -> dict[tuple, list]:
+    """Each APFL client's alpha, from the runs' last checkpoints (client states), all seeds."""
+    import torch
+
+    out: dict[tuple, list] = defaultdict(list)
+    for run in sorted(sweep.iterdir()):
+        ckpt = run / "checkpoint.pt"
+        if "apfl" not in run.name or not ckpt.exists():
+            continue
+        key = dict(part.split("=", 1) for part in run.name.split(","))
+        states = torch.load(ckpt, weights_only=False)["client_states"]
+        out[(key.get("split", ""), key.get("method", ""))].extend(s["alpha"] for s in states.values() if "alpha" in s)
+    return out
 
 
 if __name__ == "__main__":
