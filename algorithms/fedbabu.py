@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from raysim.contract import Client, ClientResult
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
+from raysim import training
 from raysim.training import local_sgd
 
 from raysim.algorithms._personal import Personal, frozen
@@ -40,5 +41,5 @@ class FedBABU(Personal):
     def personalise(self, client: Client, payload) -> ClientResult:
         if client.cfg.fedbabu.finetune == "head":
             with frozen(client.model, "encoder"):
-                return super().personalise(client, payload)
-        return super().personalise(client, payload)
+                return training.personalise(self, client, payload)
+        return training.personalise(self, client, payload)

@@ -223,9 +223,7 @@ class Algorithm:
     def personal_payload(self, name: str, model: torch.nn.Module) -> Any:
         """What `personalise` receives for the clients `model` (`eval_models()[name]`)
         serves. Default: its weights."""
-        from raysim.training import cpu_state
-
-        return {"weights": cpu_state(model)}
+        return {"weights": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
 
     def state_dict(self) -> dict:
         """Server state: saved as the run's final model and in its checkpoints. Override
@@ -245,23 +243,11 @@ class Algorithm:
         `server.run_clients(..., method=NAME)` has the same shape."""
         raise NotImplementedError
 
-    def personalise(self, client: Client, payload: Any) -> ClientResult:
-        """The client's own model for personalised evaluation (runtime/personal_eval.py),
-        returned as a state dict of the served model's shape: the served model (`payload`),
-        made the client's by `make_personal`, then fine-tuned `eval.finetune_epochs` epochs
-        on the client's training data (its own random stream). Must leave `client.state`
-        as it was: evaluation does not train the client."""
-        from raysim.seeds import seed_for
-        from raysim.training import base_loss, cpu_state, local_sgd
-
-        model = client.model
-        model.load_state_dict(payload["weights"])
-        self.make_personal(client, model, payload)
-        stats, epochs = {}, self.finetune_epochs(client.cfg)
-        if epochs > 0:
-            client.generator.manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, 44))
-            stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0)
-        return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
+    # `personalise(client, payload) -> ClientResult`, the client method personalised evaluation
+    # runs (runtime/personal_eval.py), is optional: without it the runtime runs
+    # `training.personalise` (load the served weights, `make_personal`, fine-tune
+    # `finetune_epochs` on the client's data with a stream of its own, return the model). It must
+    # leave `client.state` as it was. FedBABU defines it (fine-tuning the head alone, if asked).
 
     def make_personal(self, client: Client, model: torch.nn.Module, payload: Any) -> None:
         """Turn the served model (loaded in `model`) into the client's own: a personalised

@@ -33,7 +33,7 @@ from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime.availability import Availability
 from raysim.runtime.wire import pack, unpack
-from raysim.training import evaluate, new_client, partial_sum
+from raysim.training import client_method, evaluate, new_client, partial_sum
 from raysim.vectorized import group_sum, unstack
 
 
@@ -111,7 +111,7 @@ class InProcessServer:
             if vector:
                 done = plugin.client_update_cohort(clients, received)
             else:
-                done = [getattr(plugin, method)(clients[0], received)]
+                done = [client_method(plugin, method)(clients[0], received)]
             done, stacked = unstack(done, bool(block), any(self.adversaries.changes_model(c.cid, rnd, method)
                                                            for c in clients))
             mine = []

@@ -441,3 +441,28 @@ def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_cl
     return Client(cid=cid, round=rnd, cfg=cfg, x=x, y=y, num_classes=num_classes, device=x.device,
                   generator=torch.Generator().manual_seed(seed), state=state, model=model, epochs=epochs,
                   transform=transform)
+
+
+def personalise(algorithm, client: Client, payload) -> ClientResult:
+    """The client's own model for personalised evaluation (runtime/personal_eval.py), as a
+    state dict of the served model's shape: the served model (`payload["weights"]`), made the
+    client's by the algorithm's `make_personal`, then fine-tuned `finetune_epochs(cfg)` epochs
+    on the client's training data with a random stream of its own. `client.state` is left as
+    it was: evaluation does not train the client. An algorithm may define its own
+    `personalise` (contract.Algorithm)."""
+    model = client.model
+    model.load_state_dict(payload["weights"])
+    algorithm.make_personal(client, model, payload)
+    stats, epochs = {}, int(algorithm.finetune_epochs(client.cfg))
+    if epochs > 0:
+        client.generator.manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, 44))
+        stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0)
+    return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
+
+
+def client_method(plugin, method: str) -> Callable:
+    """The plugin's client method `method` (what `server.run_clients(..., method=)` names);
+    `personalise` falls back to `training.personalise`."""
+    if method == "personalise" and not hasattr(plugin, "personalise"):
+        return lambda client, payload: personalise(plugin, client, payload)
+    return getattr(plugin, method)

@@ -26,7 +26,7 @@ from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import determinism
 from raysim.runtime.wire import pack, unpack
-from raysim.training import new_client, partial_sum
+from raysim.training import client_method, new_client, partial_sum
 from raysim.vectorized import Cohort, group_sum, unstack
 
 
@@ -121,7 +121,7 @@ class ClientRunner:
             if vectorized:
                 done = plugin.client_update_cohort(part, payload)
             else:
-                done = [getattr(plugin, method)(part[0], payload)]
+                done = [client_method(plugin, method)(part[0], payload)]
             done, stacked = unstack(done, sums, any(self.adversaries.changes_model(c.cid, rnd, method) for c in part))
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old in zip(part, done, before):
