@@ -79,18 +79,8 @@ class Personal(FedAvg):
     def broadcast(self, rnd: int) -> dict:
         return {"weights": {k: v for k, v in cpu_state(self.model).items() if k in self.shared_keys}}
 
-    def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        state = self.model.state_dict()
-        current = {k: v for k, v in state.items() if k in self.shared_keys}
-        fold, loss_sum = self.server_rule.round(current, rnd), 0.0
-        for r in results:  # (no partial sums: the config refuses them, returns_model being False)
-            fold.add(r.update, r.num_samples)
-            loss_sum += r.metrics["loss"] * r.num_samples
-        new = fold.result(current)
-        if new is None:  # every client dropped out
-            return {}
-        self.model.load_state_dict({**state, **new})
-        return {"train_loss": loss_sum / fold.total}
+    def folded(self, state: dict) -> dict:
+        return {k: v for k, v in state.items() if k in self.shared_keys}
 
     # ---- client ----
     def client_update(self, client: Client, payload: dict) -> ClientResult:

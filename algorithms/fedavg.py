@@ -35,18 +35,25 @@ class FedAvg(Algorithm):
     def broadcast(self, rnd: int) -> dict:
         return {"weights": cpu_state(self.model)}
 
+    def folded(self, state: dict) -> dict:
+        """The entries of the model's state the clients' uploads replace: all of them (the
+        personalised algorithms fold their shared part only)."""
+        return state
+
     def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
-        fold, loss_sum = self.server_rule.round(self.model.state_dict(), rnd), 0.0
+        state = self.model.state_dict()
+        current = self.folded(state)
+        fold, loss_sum = self.server_rule.round(current, rnd), 0.0
         for r in results:
             if r.clients is None:
                 fold.add(r.update, r.num_samples)
             else:  # several clients' sum, made where they ran (server.partial_sums)
                 fold.add_sum(r.update, r.num_samples)
             loss_sum += r.metrics["loss"] * r.num_samples
-        new = fold.result(self.model.state_dict())
+        new = fold.result(current)
         if new is None:  # every client dropped out: keep the model
             return {}
-        self.model.load_state_dict(new)
+        self.model.load_state_dict({**state, **new})
         return {"train_loss": loss_sum / fold.total if fold.total > 0 else None, **fold.metrics()}
 
     def eval_models(self) -> dict:

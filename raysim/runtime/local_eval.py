@@ -49,15 +49,22 @@ class LocalTests:
             rows = torch.from_numpy(np.flatnonzero(mask))
             hit = self._hits(models[name], self.x[rows], self.y[rows])
             correct += np.bincount(self.owner[mask], weights=hit, minlength=len(self.sizes))
-        mine = [c for c in self.cids if served[c]]
+        return self.spread("local_accuracy", {c: correct[c] for c in self.cids if served[c]})
+
+    def spread(self, name: str, correct: dict[int, float]) -> tuple[dict, dict[int, float]]:
+        """From each client's correct count: the metrics `name` (total correct / total test
+        samples) and its spread over clients (`name`_mean, _p10, _min), and each client's
+        accuracy; ({}, {}) for no client."""
+        mine = sorted(correct)
         if not mine:
             return {}, {}
-        acc = correct[mine] / self.sizes[mine]
+        hits = np.array([correct[c] for c in mine], dtype=np.float64)
+        acc = hits / self.sizes[mine]
         metrics = {
-            "local_accuracy": float(correct[mine].sum() / self.sizes[mine].sum()),
-            "local_accuracy_mean": float(acc.mean()),
-            "local_accuracy_p10": float(np.percentile(acc, 10)),
-            "local_accuracy_min": float(acc.min()),
+            name: float(hits.sum() / self.sizes[mine].sum()),
+            f"{name}_mean": float(acc.mean()),
+            f"{name}_p10": float(np.percentile(acc, 10)),
+            f"{name}_min": float(acc.min()),
         }
         return metrics, dict(zip(mine, acc.tolist()))
 

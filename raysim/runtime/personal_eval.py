@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
-
 
 def wanted(cfg, algorithm) -> bool:
-    return bool(getattr(algorithm, "personal", False)) or int(cfg.eval.finetune_epochs) > 0
+    return algorithm.personal or int(cfg.eval.finetune_epochs) > 0
 
 
 def evaluate(server, rnd: int, models: dict, cids: list[int]) -> tuple[dict, dict[int, float]]:
@@ -40,17 +38,5 @@ def evaluate(server, rnd: int, models: dict, cids: list[int]) -> tuple[dict, dic
         for r in d.run(rnd, group, dict.fromkeys(group, 1), payload, "personalise", "algorithm", stateful):
             personal[r.cid] = r.update
     d.bytes[:], d.seconds = books[0], books[1]
-    if not personal:
-        return {}, {}
     scratch = copy.deepcopy(next(iter(models.values())))
-    correct = {c: tests.hits(scratch, c, state) for c, state in sorted(personal.items())}
-    mine = sorted(correct)
-    sizes = tests.sizes[mine]
-    acc = np.array([correct[c] for c in mine]) / sizes
-    metrics = {
-        "personal_accuracy": float(sum(correct.values()) / sizes.sum()),
-        "personal_accuracy_mean": float(acc.mean()),
-        "personal_accuracy_p10": float(np.percentile(acc, 10)),
-        "personal_accuracy_min": float(acc.min()),
-    }
-    return metrics, dict(zip(mine, acc.tolist()))
+    return tests.spread("personal_accuracy", {c: tests.hits(scratch, c, state) for c, state in personal.items()})
