@@ -40,6 +40,11 @@ def part_keys(model: torch.nn.Module, part: str) -> set[str]:
     return keys if part == "all" else {k for k in keys if k.startswith(part + ".")}
 
 
+def part_state(model: torch.nn.Module, keys: set[str]) -> dict:
+    """A detached CPU copy of the entries `keys` of the model's state (`cpu_state` of a part)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k in keys}
+
+
 @contextmanager
 def frozen(model: torch.nn.Module, part: str) -> Iterator[None]:
     """Train with `part`'s parameters fixed (FedRep's phases, FedBABU's head); the actor's
@@ -77,7 +82,7 @@ class Personal(FedAvg):
                                       self.server_optimizer())
 
     def broadcast(self, rnd: int) -> dict:
-        return {"weights": {k: v for k, v in cpu_state(self.model).items() if k in self.shared_keys}}
+        return {"weights": part_state(self.model, self.shared_keys)}
 
     def folded(self, state: dict) -> dict:
         return {k: v for k, v in state.items() if k in self.shared_keys}
@@ -89,9 +94,7 @@ class Personal(FedAvg):
         self.make_personal(client, model, payload)
         stats = self.train(client, model, payload)
         self.keep(client, model)
-        shared = self._shared_keys(model)
-        return ClientResult(client.cid, client.num_samples,
-                            {k: v for k, v in cpu_state(model).items() if k in shared}, stats)
+        return ClientResult(client.cid, client.num_samples, part_state(model, self._keys(model, self.shared)), stats)
 
     def train(self, client: Client, model: torch.nn.Module, payload: dict) -> dict:
         """Local training of the whole model (FedPer, LG-FedAvg): FedAvg's."""
@@ -105,8 +108,7 @@ class Personal(FedAvg):
 
     def keep(self, client: Client, model: torch.nn.Module) -> None:
         if self.kept is not None:
-            mine = part_keys(model, self.kept)
-            client.state["kept"] = {k: v for k, v in cpu_state(model).items() if k in mine}
+            client.state["kept"] = part_state(model, self._keys(model, self.kept))
 
     def initial(self, client: Client) -> dict:
         """The run's initial model (the server's round-0 weights: the same seed, the same
@@ -117,10 +119,13 @@ class Personal(FedAvg):
                 self._initial = cpu_state(self.build_model(self.input_shape))
         return self._initial
 
-    def _shared_keys(self, model: torch.nn.Module) -> set[str]:
-        if getattr(self, "_client_shared", None) is None:
-            self._client_shared = part_keys(model, self.shared)
-        return self._client_shared
+    def _keys(self, model: torch.nn.Module, part: str) -> set[str]:
+        """`part_keys` of the actor's scratch model, worked out once per part."""
+        if not hasattr(self, "_parts"):
+            self._parts = {}
+        if part not in self._parts:
+            self._parts[part] = part_keys(model, part)
+        return self._parts[part]
 
     @classmethod
     def vectorizes(cls) -> bool:
