@@ -9,7 +9,16 @@ Which layers are which comes from the model zoo's split (every model is an `Enco
 - The server holds one model; it broadcasts the shared part only (what the client downloads,
   and counts as bytes) and folds the shared part of the clients' uploads through the server
   parts (`server.aggregator`, `server.optimizer`; buffers: the plain weighted mean). The part
-  it does not share stays at its initial value on the server.
+  it does not share stays at its initial value on the server, so the server's model is not
+  any client's: its accuracy is reported as the server model's, never as the method's
+  (run.py's last line), and these algorithms test each client's own model on its own test
+  split, `partition.test_fraction` 0.2 when the user sets none (config/layers.py).
+- `personal.buffers`: the non-trainable buffers (BatchNorm statistics) of the shared part.
+  `shared` (the default): averaged by the server and broadcast, like the parameters.
+  `local`: each client keeps its own (client state; FedBN's rule; the initial model's until
+  it first trains), the server does not send them (it averages the uploaded ones for its
+  own model's evaluation only). PFLlib's servers copy `.parameters()` only (clientbase.set_parameters),
+  so its clients keep their own buffers: `local` is PFLlib's behaviour.
 - A client starts from its own part as it left it, or, the first time, from the initial
   model (built from the run's seed on the actor: the same weights as the server's round-0
   model, as in PFLlib where every client starts with a copy of the initial model).
@@ -60,10 +69,17 @@ def frozen(model: torch.nn.Module, part: str) -> Iterator[None]:
             p.requires_grad_(w)
 
 
+def buffer_keys(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys of the model's buffers (BatchNorm's running statistics, counters)."""
+    return {k for k in model.state_dict()} - {n for n, _ in model.named_parameters()}
+
+
 class Personal(FedAvg):
     """FedAvg over `shared` ("encoder", "head" or "all"); each client keeps `kept` ("head",
-    "encoder", or None: nothing of its own) in `client.state["kept"]`. Subclasses change the
-    client's training (`train`) and, for a whole personal model, `make_personal` / `keep`."""
+    "encoder", or None: nothing of its own) in `client.state["kept"]`, and with
+    `personal.buffers=local` the shared part's buffers in `client.state["buffers"]`.
+    Subclasses change the client's training (`train`) and, for a whole personal model,
+    `make_personal` / `keep`."""
 
     shared = "encoder"
     kept: Optional[str] = "head"
@@ -74,15 +90,23 @@ class Personal(FedAvg):
     returns_model = False  # a part of the model: model attacks replace whole models
     trains_privately = False
 
+    def __init__(self, cfg, num_classes: int, input_shape: tuple):
+        super().__init__(cfg, num_classes, input_shape)
+        self.local_buffers = cfg.personal.buffers == "local"
+        if self.local_buffers:
+            self.client_state = True  # the buffers live on the clients (FedBABU keeps nothing else)
+
     # ---- server ----
     def setup(self, server: Server) -> None:
         self.model = server.new_model()
         self.shared_keys = part_keys(self.model, self.shared)
         self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model) & self.shared_keys,
                                       self.server_optimizer())
+        # what goes down: the shared part, less its buffers when the clients keep their own
+        self.sent_keys = self.shared_keys - (buffer_keys(self.model) if self.local_buffers else set())
 
     def broadcast(self, rnd: int) -> dict:
-        return {"weights": part_state(self.model, self.shared_keys)}
+        return {"weights": part_state(self.model, self.sent_keys)}
 
     def folded(self, state: dict) -> dict:
         return {k: v for k, v in state.items() if k in self.shared_keys}
@@ -90,11 +114,26 @@ class Personal(FedAvg):
     # ---- client ----
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         model = client.model
-        model.load_state_dict({**self.initial(client), **payload["weights"]})
+        self.load_global(client, model, payload)
         self.make_personal(client, model, payload)
         stats = self.train(client, model, payload)
         self.keep(client, model)
+        self.keep_buffers(client, model)
         return ClientResult(client.cid, client.num_samples, part_state(model, self._keys(model, self.shared)), stats)
+
+    def load_global(self, client: Client, model: torch.nn.Module, payload) -> None:
+        """The model the client downloads: the initial model, the served weights on it, and,
+        with `personal.buffers=local`, the shared part's buffers as the client left them."""
+        model.load_state_dict({**self.initial(client), **payload["weights"]})
+        if self.local_buffers and "buffers" in client.state:
+            model.load_state_dict(client.state["buffers"], strict=False)
+
+    def keep_buffers(self, client: Client, model: torch.nn.Module) -> None:
+        """`personal.buffers=local`: the shared part's buffers stay on the client."""
+        if self.local_buffers:
+            keys = self._keys(model, self.shared) & self._keys(model, "buffers")
+            if keys:
+                client.state["buffers"] = part_state(model, keys)
 
     def train(self, client: Client, model: torch.nn.Module, payload: dict) -> dict:
         """Local training of the whole model (FedPer, LG-FedAvg): FedAvg's."""
@@ -102,9 +141,14 @@ class Personal(FedAvg):
 
     def make_personal(self, client: Client, model: torch.nn.Module, payload) -> None:
         """The client's own part, as it kept it (none yet: the initial model's, loaded by
-        `client_update`; in evaluation the served model's, which the server never changes)."""
+        `client_update`; in evaluation the served model's, which the server never changes),
+        and its own buffers of the shared part (`personal.buffers=local`)."""
         if "kept" in client.state:
             model.load_state_dict(client.state["kept"], strict=False)
+        if self.local_buffers:
+            model.load_state_dict({**{k: v for k, v in self.initial(client).items()
+                                      if k in self._keys(model, self.shared) & self._keys(model, "buffers")},
+                                   **client.state.get("buffers", {})}, strict=False)
 
     def keep(self, client: Client, model: torch.nn.Module) -> None:
         if self.kept is not None:
@@ -120,11 +164,12 @@ class Personal(FedAvg):
         return self._initial
 
     def _keys(self, model: torch.nn.Module, part: str) -> set[str]:
-        """`part_keys` of the actor's scratch model, worked out once per part."""
+        """`part_keys` of the actor's scratch model ("buffers": `buffer_keys`), worked out
+        once per part."""
         if not hasattr(self, "_parts"):
             self._parts = {}
         if part not in self._parts:
-            self._parts[part] = part_keys(model, part)
+            self._parts[part] = buffer_keys(model) if part == "buffers" else part_keys(model, part)
         return self._parts[part]
 
     @classmethod

@@ -7,10 +7,20 @@ batch, at the current (w, v, alpha):
     alpha <- alpha - alpha_lr grad_alpha f(v_bar) = alpha - alpha_lr <v - w, grad f(v_bar)>, clipped to [0, 1]
 Evaluation mixes the client's v with the global model it is served: alpha v + (1 - alpha) w.
 
+All three train in `training.local_sgd`'s loop, on the same batches (so `local.augment`,
+`local.steps` and the guard against one-sample BatchNorm batches apply): w's step is the
+loop's; v's and alpha's are taken after it (`after_step`) from gradients computed on the
+same batch. v takes w's optimiser (`local.momentum`, `local.weight_decay`: the sweep's 0.9 for
+both; PFLlib and the paper use plain SGD for both, which `local.momentum=0` gives); alpha, a
+scalar, plain SGD. v is a whole model state: its BatchNorm statistics are its own (the
+mixture's forward updates v's), as PFLlib's `model_per` has its own.
+
 Compared with PFLlib's clientapfl.py, which differs in three places: it trains v on f(v)
 rather than f(v_bar), its alpha gradient is <v - w, alpha grad f(v) + (1 - alpha) grad f(w)>
-+ 0.02 alpha, and after each round it replaces v by the mixture. `apfl.variant=pfllib` runs
-that reading; the default is the paper's. See algorithms/_personal.py."""
++ 0.02 alpha (after both steps), and after each round it replaces v's parameters by the
+mixture, which it then tests as it is (`model_per`, clientapfl.test_metrics: no second mix).
+`apfl.variant=pfllib` runs that reading; the default is the paper's. See
+algorithms/_personal.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +31,7 @@ from torch.func import functional_call
 from raysim.contract import Client, ClientResult
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
-from raysim.training import SGD, base_loss, cpu_state, round_lr
+from raysim.training import SGD, base_loss, cpu_state, local_sgd, round_lr
 
 from raysim.algorithms._personal import Personal
 
@@ -44,62 +54,75 @@ class APFL(Personal):
     kept = None  # client.state: "v" (its parameters) and "alpha"
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
-        model, o, loc = client.model, client.cfg.apfl, client.cfg.local
-        model.load_state_dict(payload["weights"])
+        model, o = client.model, client.cfg.apfl
+        self.load_global(client, model, payload)
         names = [n for n, _ in model.named_parameters()]
-        start = client.state.get("v") or {n: self.initial(client)[n] for n in names}
-        v = {n: start[n].to(client.device).clone().requires_grad_(True) for n in names}
+        v = {k: t.to(client.device).clone() for k, t in self.personal_state(client).items()}
+        for n in names:
+            v[n].requires_grad_(True)
+        v_params = [v[n] for n in names]
         alpha = torch.tensor(float(client.state.get("alpha", o.alpha)), device=client.device, requires_grad=True)
+        loc = client.cfg.local
         lr = round_lr(loc, client.round)
         alpha_lr = float(o.alpha_lr) or lr
+        v_opt = SGD(v_params, lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
         pfllib = o.variant == "pfllib"
         loss_fn = base_loss(loc)
-        opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
-        model.train()
-        n, bs, total, count, steps = client.num_samples, int(loc.batch_size), 0.0, 0, 0
-        for _ in range(client.epochs):
-            perm = torch.randperm(n, generator=client.generator).to(client.x.device)
-            for s in range(0, n, bs):
-                idx = perm[s:s + bs]
-                x, y = client.x[idx], client.y[idx]
-                w = {k: p.detach() for k, p in model.named_parameters()}
-                if pfllib:  # v on its own loss; alpha's gradient from f(v) and f(w)
-                    gv = torch.autograd.grad(loss_fn(_call(model, v), x, y), list(v.values()))
-                else:  # v and alpha on the mixture's loss
-                    *gv, ga = torch.autograd.grad(loss_fn(_call(model, mixture(alpha, v, w)), x, y),
-                                                  [*v.values(), alpha])
-                opt.zero_grad()
-                loss = loss_fn(model, x, y)
-                loss.backward()
-                with torch.no_grad():
-                    opt.step()
-                    for p, g in zip(v.values(), gv):
-                        p.sub_(g, alpha=lr)
-                    if pfllib:  # after both steps, as PFLlib's alpha_update
-                        ga = sum(((v[k] - p) * (alpha * g + (1 - alpha) * p.grad)).sum()
-                                 for (k, p), g in zip(model.named_parameters(), gv)) + 0.02 * alpha
-                    alpha.sub_(alpha_lr * ga).clamp_(0.0, 1.0)
-                total += float(loss.detach()) * len(idx)
-                count += len(idx)
-                steps += 1
-        v = {k: p.detach() for k, p in v.items()}
-        if pfllib:  # PFLlib keeps the mixture as the next round's v
-            v = mixture(alpha.detach(), v, {k: p.detach() for k, p in model.named_parameters()})
+        grads: dict = {}
+
+        def loss(model, x, y):
+            """w's loss, after v's (and the paper's alpha's) gradients on the same batch."""
+            w = {n: p.detach() for n, p in model.named_parameters()}
+            if pfllib:  # v on its own loss
+                grads["v"] = torch.autograd.grad(loss_fn(_call(model, v), x, y), v_params)
+            else:  # v and alpha on the mixture's loss (v's buffers: the mixture's statistics)
+                *grads["v"], grads["alpha"] = torch.autograd.grad(
+                    loss_fn(_call(model, {**v, **mixture(alpha, {n: v[n] for n in names}, w)}), x, y),
+                    [*v_params, alpha])
+            return loss_fn(model, x, y)
+
+        def after_step():
+            with torch.no_grad():
+                for p, g in zip(v_params, grads["v"]):
+                    p.grad = g
+                v_opt.step()
+                if pfllib:  # after both steps, as PFLlib's alpha_update
+                    ga = sum(((v[n] - p) * (alpha * g + (1 - alpha) * p.grad)).sum()
+                             for (n, p), g in zip(model.named_parameters(), grads["v"])) + 0.02 * alpha
+                else:
+                    ga = grads["alpha"]
+                alpha.sub_(alpha_lr * ga).clamp_(0.0, 1.0)
+
+        stats = local_sgd(client, model, loss, after_step=after_step)
+        v = {k: t.detach() for k, t in v.items()}
+        if pfllib:  # PFLlib keeps the mixture's parameters as the next round's v (its buffers stay v's)
+            v.update(mixture(alpha.detach(), {n: v[n] for n in names}, {n: p.detach() for n, p in model.named_parameters()}))
         client.state["v"] = {k: t.cpu().clone() for k, t in v.items()}
         client.state["alpha"] = float(alpha.detach())
-        return ClientResult(client.cid, client.num_samples, cpu_state(model),
-                            {"loss": total / max(count, 1), "steps": steps, "lr": lr, "alpha": float(alpha.detach())})
+        self.keep_buffers(client, model)
+        return ClientResult(client.cid, client.num_samples, cpu_state(model), {**stats, "alpha": float(alpha.detach())})
+
+    def personal_state(self, client: Client) -> dict:
+        """v as the client left it, or the initial model (a state kept before v held its
+        buffers takes the initial model's)."""
+        return {**self.initial(client), **client.state.get("v", {})}
 
     def make_personal(self, client: Client, model: torch.nn.Module, payload) -> None:
-        """alpha v + (1 - alpha) w, w the served global model (already in `model`)."""
-        params = dict(model.named_parameters())
-        v = client.state.get("v") or {n: self.initial(client)[n] for n in params}
+        """The paper: alpha v + (1 - alpha) w, w the served global model (already in
+        `model`), with v's buffers. PFLlib: v as it is (v is the mixture already)."""
+        v = self.personal_state(client)
+        if client.cfg.apfl.variant == "pfllib":
+            model.load_state_dict(v)
+            return
         alpha = float(client.state.get("alpha", client.cfg.apfl.alpha))
+        params = dict(model.named_parameters())
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(alpha * v[k].to(p.device) + (1 - alpha) * p)
+        model.load_state_dict({k: t for k, t in v.items() if k not in params}, strict=False)
 
 
 def _call(model: torch.nn.Module, params: dict):
-    """The model as a function of `params` (its buffers its own), for loss_fn(model, x, y)."""
+    """The model as a function of `params` (parameters, and the buffers `params` holds; the
+    model's own for the rest), for loss_fn(model, x, y)."""
     return lambda x: functional_call(model, params, (x,))

@@ -40,16 +40,16 @@ class Ditto(Personal):
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         model, o = client.model, client.cfg.ditto
-        received = {k: v.to(client.device) for k, v in payload["weights"].items()}
         # 1. the personal model: v_k <- v_k - lr (grad f_k(v_k) + lambda (v_k - w^t))
         model.load_state_dict(client.state.get("v", self.initial(client)))
-        anchor = [received[n].detach() for n, _ in model.named_parameters()]
+        anchor = [payload["weights"][n].to(client.device) for n, _ in model.named_parameters()]
         personal = local_sgd(client, model, proximal_loss(float(o.lam), anchor, base_loss(client.cfg.local)),
                              epochs=int(o.personal_epochs) or None, steps=0 if int(o.personal_epochs) else None)
         client.state["v"] = cpu_state(model)
         # 2. the global model's update: FedAvg's
-        model.load_state_dict(received)
+        self.load_global(client, model, payload)
         stats = local_sgd(client, model, self.local_loss(client, payload))
+        self.keep_buffers(client, model)
         return ClientResult(client.cid, client.num_samples, cpu_state(model),
                             {**stats, "personal_loss": personal["loss"]})
 

@@ -14,4 +14,5 @@ from raysim.algorithms._personal import Personal
 @ALGORITHMS.register("fedper")
 class FedPer(Personal):
     shared = "encoder"
+    unshared = "head"  # on the server: the initial head, no client's
     kept = "head"

@@ -25,6 +25,7 @@ class FedRepOptions(Options):
 class FedRep(Personal):
     Options = FedRepOptions
     shared = "encoder"
+    unshared = "head"  # on the server: the initial head, no client's
     kept = "head"
 
     def train(self, client: Client, model, payload: dict) -> dict:

@@ -13,4 +13,5 @@ from raysim.algorithms._personal import Personal
 @ALGORITHMS.register("lg_fedavg")
 class LGFedAvg(Personal):
     shared = "head"
+    unshared = "encoder"  # on the server: the initial encoder, no client's
     kept = "encoder"

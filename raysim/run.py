@@ -171,13 +171,19 @@ def _main(args, say, t_start: float) -> int:
         if started:
             ray.shutdown()  # the local Ray we started, its agents included
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
+    personal = summary.get("final_personal_accuracy")
     if acc is None:
         print("no evaluation ran")
+    elif personal is not None:  # a personalised run: the clients' own models first (personal_eval.py)
+        unshared = summary.get("server_model_unshared")
+        server = (f"the server's model (the shared part with the initial {unshared}, no client's model) {acc:.4f}"
+                  if unshared else f"the global model {acc:.4f}"
+                  + (f", on the clients' test data {local:.4f}" if local is not None else ""))
+        print(f"final accuracy of the clients' own models on their own test data {personal:.4f}, best "
+              f"{summary['best_personal_accuracy']:.4f}; {server}, {summary['wall_seconds']:.1f} s")
     else:  # with local test splits, the clients' own accuracy too (clustered FL's headline number)
         on_clients = (f"; on the clients' test data {local:.4f}, best {summary['best_local_accuracy']:.4f}"
                       if local is not None else "")
-        if summary.get("final_personal_accuracy") is not None:  # each client's own model (personal_eval.py)
-            on_clients += f"; their own models {summary['final_personal_accuracy']:.4f}"
         after = summary.get("after_training")  # a post-hoc step (CCVR's calibration) made the final model
         best = f"best {summary['best_accuracy']:.4f}"
         if after:

@@ -116,7 +116,7 @@ class SGD:
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
               epochs: Optional[int] = None, steps: Optional[int] = None,
               on_gradients: Optional[Callable[[], None]] = None,
-              after_step: Optional[Callable[[], None]] = None) -> dict:
+              after_step: Optional[Callable[[], None]] = None, lr: Optional[float] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
     decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
     which differs from `local.epochs` for stragglers). Batches come from the client's
@@ -124,12 +124,13 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     runs between backward and the step (SCAFFOLD corrects the gradients there),
     `after_step` after each step (NIID-Bench's SCAFFOLD corrects the weights there).
     `privacy.mode=local`: DP-SGD instead (privacy/local.py; the config admits only
-    algorithms whose loss is a per-sample mean and that pass neither hook).
+    algorithms whose loss is a per-sample mean and that pass neither hook). `lr` replaces
+    the round's lr (FedBABU's fine-tuning).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
     steps = int(loc.steps) if steps is None else steps
-    lr = round_lr(loc, client.round)
+    lr = round_lr(loc, client.round) if lr is None else lr
     if client.cfg.privacy.mode == "local":  # DP-SGD through Opacus (raysim/privacy/local.py)
         from raysim.privacy.local import private_sgd
 
@@ -443,12 +444,12 @@ def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_cl
                   transform=transform)
 
 
-def personalise(algorithm, client: Client, payload) -> ClientResult:
+def personalise(algorithm, client: Client, payload, lr_scale: float = 1.0) -> ClientResult:
     """The client's own model for personalised evaluation (runtime/personal_eval.py), as a
     state dict of the served model's shape: the served model (`payload["weights"]`), made the
     client's by the algorithm's `make_personal`, then fine-tuned `finetune_epochs(cfg)` epochs
-    on the client's training data with a random stream of its own. `client.state` is left as
-    it was: evaluation does not train the client. An algorithm may define its own
+    on the client's training data with a random stream of its own, at `lr_scale` times the
+    round's lr. `client.state` is left as it was: evaluation does not train the client. An algorithm may define its own
     `personalise` (contract.Algorithm)."""
     model = client.model
     model.load_state_dict(payload["weights"])
@@ -456,7 +457,8 @@ def personalise(algorithm, client: Client, payload) -> ClientResult:
     stats, epochs = {}, int(algorithm.finetune_epochs(client.cfg))
     if epochs > 0:
         client.generator.manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, 44))
-        stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0)
+        stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0,
+                          lr=round_lr(client.cfg.local, client.round) * lr_scale)
     return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
 
 

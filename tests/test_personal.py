@@ -15,6 +15,7 @@ X = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
 Y = torch.tensor([0, 1, 1, 0])
 SMALL = ["num_clients=3", "clients_per_round=3", "model=mlp", "model_options.hidden=[3]", "local.momentum=0",
          "local.weight_decay=0", "local.lr=0.5", "local.batch_size=4", "local.epochs=1"]
+BN = [o for o in SMALL if not o.startswith("model")] + ["model=mlp_bn", "plugins=[bn_model]"]  # tests/support/bn_model.py
 
 
 def server_for(algorithm: str, *more: str) -> InProcessServer:
@@ -57,10 +58,24 @@ def test_the_kept_part_never_leaves_the_client_and_the_shared_part_is_averaged(a
         mean = sum(r.update[k].double() * w for r, w in zip(ups, n)) / 10
         assert torch.allclose(now[k].double(), mean, atol=1e-6)
     assert all(torch.equal(now[k], start[k]) for k in keys(start, kept))  # the server's copy never moves
-    # round 2: each client resumes from its own part, not the server's
-    ups2 = list(s.run_clients(2, [0], s.algorithm.broadcast(2)))
-    assert ups2[0].update.keys() == ups[0].update.keys()
-    assert not torch.equal(s.states[0]["kept"][sorted(keys(start, kept))[0]], start[sorted(keys(start, kept))[0]])
+    # round 2: client 0 trains from its own part (hand-set here), not the server's: one
+    # full-batch step of the whole model from (the served shared part, the client's part);
+    # FedRep: the head first, then the encoder with the new head
+    own = {k: s.states[0]["kept"][k] + 0.25 for k in keys(start, kept)}
+    s.states[0]["kept"] = dict(own)
+    (r2,) = s.run_clients(2, [0], s.algorithm.broadcast(2))
+    p = {**{k: now[k] for k in keys(start, shared)}, **own}
+    if algorithm == "fedrep":
+        g = grads(p, sorted(keys(start, "head")))
+        p = {**p, **{k: p[k] - 0.5 * g[k] for k in g}}
+        g = grads(p, sorted(keys(start, "encoder")))
+    else:
+        g = grads(p)
+    want = {**p, **{k: p[k] - 0.5 * g[k] for k in g}}
+    for k in keys(start, shared):
+        assert torch.allclose(r2.update[k], want[k], atol=1e-6), k
+    for k in keys(start, kept):
+        assert torch.allclose(s.states[0]["kept"][k], want[k], atol=1e-6), k
 
 
 def test_fedrep_trains_the_head_with_the_encoder_fixed_then_the_encoder_with_the_head_fixed():
@@ -124,10 +139,14 @@ def test_apfl_updates_w_v_and_alpha_by_its_formulas(variant):
     for k in w:
         assert torch.allclose(r.update[k], w1[k], atol=1e-6)
         assert torch.allclose(s.states[0]["v"][k], v1[k], atol=1e-6)
-    # its personal model: alpha v + (1 - alpha) w, w the served global
+    # its personal model. The paper: alpha v + (1 - alpha) w, w the served global model.
+    # PFLlib: v as it is (clientapfl.test_metrics tests model_per, the mixture already): not mixed twice
+    served = {k: t + 0.1 for k, t in w.items()}
+    s.algorithm.model.load_state_dict(served)
     (p,) = s.run_clients(1, [0], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
     for k in w:
-        assert torch.allclose(p.update[k], alpha1 * s.states[0]["v"][k] + (1 - alpha1) * w[k], atol=1e-6)
+        want = v1[k] if variant == "pfllib" else alpha1 * v1[k] + (1 - alpha1) * served[k]
+        assert torch.allclose(p.update[k], want, atol=1e-6), k
 
 
 def test_fedbabu_never_trains_the_head_and_fine_tunes_it_for_evaluation():
@@ -170,6 +189,8 @@ def test_personal_runs_are_bit_identical_across_actors_and_resume_and_beat_the_g
               "partition=classes", "partition.k=2", "partition.test_fraction=0.2", "local.lr=0.05",
               f"algorithm={algorithm}", f"output_dir={tmp_path}", "--quiet"]
     assert main([*common, "rounds=6", "resources.num_actors=1", "run_name=one"]) == 0
+    fedavg = [*[c for c in common if not c.startswith("algorithm=")], "algorithm=fedavg", "rounds=6", "run_name=fedavg"]
+    assert main(fedavg) == 0
     assert main([*common, "rounds=6", "resources.num_actors=3", "run_name=three"]) == 0
     assert main([*common, "rounds=3", "resources.num_actors=2", "checkpoint_every=3", "run_name=half"]) == 0
     assert main(["--quiet", f"resume={tmp_path / 'half'}", "rounds=6"]) == 0
@@ -180,7 +201,9 @@ def test_personal_runs_are_bit_identical_across_actors_and_resume_and_beat_the_g
     rows = {r: pq.read_table(tmp_path / r / "metrics.parquet").to_pylist() for r in ("one", "three", "half")}
     last = rows["one"][-1]
     assert last["personal_accuracy"] == rows["three"][-1]["personal_accuracy"] == rows["half"][-1]["personal_accuracy"]
-    assert last["personal_accuracy"] > last["local_accuracy"] + 0.1, last
+    # each client's own model beats FedAvg's global model on the clients' own test data
+    served = pq.read_table(tmp_path / "fedavg" / "metrics.parquet").to_pylist()[-1]["local_accuracy"]
+    assert last["personal_accuracy"] > served + 0.1, (last, served)
     clients = pq.read_table(tmp_path / "one" / "clients.parquet").to_pylist()
     assert sum(c["method"] == "evaluate_personal" for c in clients) == 20 * len([r for r in rows["one"]
                                                                                  if r.get("personal_accuracy")])
@@ -200,3 +223,134 @@ def test_fine_tuning_a_model_no_client_trains_is_refused():
 
     with pytest.raises(ConfigError, match="eval.finetune_epochs: algorithm 'fedconcat'"):
         load_config(overrides=["algorithm=fedconcat", "eval.finetune_epochs=1"])
+
+
+# ---- issue 54: what the reference audit found ------------------------------------------------------
+
+
+def test_a_personalised_run_tests_its_clients_own_models_unless_told_otherwise():
+    """A run of FedPer with no partition.test_fraction gets local test splits (said in the
+    log), so that its accuracy is the clients' models', not the server's model with its
+    initial head; an explicit 0 is refused in one line. Ditto's global model is FedAvg's:
+    it may run without them."""
+    from raysim.config import ConfigError, describe_layers, read_layers, resolve
+
+    layers = read_layers((), ["algorithm=fedper"])
+    cfg = resolve(layers)
+    assert cfg.partition.test_fraction == 0.2
+    assert any("partition.test_fraction=0.2" in line for line in describe_layers(layers, cfg))
+    assert load_config(overrides=["algorithm=fedper", "partition.test_fraction=0.1"]).partition.test_fraction == 0.1
+    assert load_config(overrides=["algorithm=fedavg"]).partition.test_fraction == 0
+    assert load_config(overrides=["algorithm=ditto", "partition.test_fraction=0"]).partition.test_fraction == 0
+    for algorithm, part in (("fedper", "head"), ("lg_fedavg", "encoder"), ("fedbabu", "head")):
+        with pytest.raises(ConfigError, match=f"partition.test_fraction=0: algorithm '{algorithm}' .* initial {part}"):
+            load_config(overrides=[f"algorithm={algorithm}", "partition.test_fraction=0"])
+
+
+def test_the_cli_never_reports_the_servers_random_head_as_the_methods_accuracy(ray_local, tmp_path, capsys):
+    assert main(["dataset=digits", "algorithm=fedper", "model=mlp", "model_options.hidden=[32]", "num_clients=10",
+                 "clients_per_round=5", "partition=classes", "partition.k=2", "rounds=2", "local.lr=0.05",
+                 f"output_dir={tmp_path}", "run_name=r", "--quiet"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    final = [line for line in lines if line.startswith("final accuracy")]
+    assert len(final) == 1 and final[0].startswith("final accuracy of the clients' own models"), lines
+    assert "the server's model (the shared part with the initial head, no client's model)" in final[0]
+    summary = __import__("json").loads((tmp_path / "r" / "summary.json").read_text())
+    assert f"{summary['final_personal_accuracy']:.4f}" in final[0].split(";")[0]
+    assert "test_fraction: 0.2" in (tmp_path / "r" / "config.yaml").read_text()
+
+
+def test_apfl_trains_through_the_shared_training_loop():
+    """local.steps bounds APFL's steps (w, v and alpha alike); a one-sample batch is skipped
+    on a model with BatchNorm (client 2 has 3 samples, batch 2); v takes w's momentum: two
+    full-batch steps of PFLlib's reading, by hand, v2 = v1 - lr (g(v1) + 0.9 g(v0))."""
+    s = server_for("apfl", "local.steps=1", "local.batch_size=2")
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    assert r.metrics["steps"] == 1
+
+    cfg = load_config(overrides=["algorithm=apfl", *BN, "local.batch_size=2"])
+    bn = InProcessServer(cfg, [(X, Y), (X, 1 - Y), (X[:3], Y[:3])], 2)
+    bn.setup()
+    (r,) = bn.run_clients(1, [2], bn.algorithm.broadcast(1))
+    assert r.metrics["steps"] == 1  # the batch of one is not trained on
+    assert "encoder.2.running_mean" in bn.states[2]["v"]  # v keeps BatchNorm statistics of its own
+
+    s = server_for("apfl", "apfl.variant=pfllib", "local.epochs=2", "local.momentum=0.9")
+    w = cpu_state(s.algorithm.model)
+    v = {k: t - 0.2 * torch.ones_like(t) for k, t in w.items()}
+    s.states[0] = {"v": v, "alpha": 0.3}
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    g0 = grads(v)
+    v1 = {k: v[k] - 0.5 * g0[k] for k in v}
+    g1 = grads(v1)
+    v2 = {k: v1[k] - 0.5 * (g1[k] + 0.9 * g0[k]) for k in v}
+    a = s.states[0]["alpha"]
+    assert 0.05 < a < 1
+    for k in w:  # PFLlib keeps alpha v2 + (1 - alpha) w2 as v
+        assert torch.allclose(s.states[0]["v"][k], a * v2[k] + (1 - a) * r.update[k], atol=1e-5), k
+
+
+BN_DATA = [(torch.cat([X, X]), torch.cat([Y, Y])), (X[:2], Y[:2])]  # 8 and 2 samples: 4 and 1 steps of batch 2
+
+
+def bn_server(algorithm: str, buffers: str) -> InProcessServer:
+    cfg = load_config(overrides=[f"algorithm={algorithm}", *BN, "num_clients=2", "clients_per_round=2",
+                                 "local.batch_size=2", f"personal.buffers={buffers}"])
+    s = InProcessServer(cfg, BN_DATA, 2)
+    s.setup()
+    return s
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "fedrep", "lg_fedavg", "ditto", "apfl", "fedbabu"])
+def test_buffers_of_the_shared_part_are_averaged_or_stay_on_the_client(algorithm):
+    """BatchNorm's batch counter tells whose statistics a client trained from: client 1 trains
+    1 step a round, client 0 4. `shared`: the server's statistics are the plain weighted mean
+    of the clients' (the counter: the largest), and client 1 starts round 2 from them (4 + 1
+    batches). `local` (FedBN's and PFLlib's rule): nothing of them goes down, client 1 goes on
+    from its own (1 + 1), its personal model carries them, and the server's own copy is still
+    the uploads' mean."""
+    key = "encoder.2.num_batches_tracked"
+    bn = {"encoder.2.running_mean", "encoder.2.running_var", key}
+    for buffers in ("shared", "local"):
+        s = bn_server(algorithm, buffers)
+        holds = key in s.algorithm.shared_keys
+        ups = list(s.run_clients(1, [0, 1], s.algorithm.broadcast(1)))
+        s.algorithm.aggregate(1, iter(ups))
+        now = cpu_state(s.algorithm.model)
+        if holds:  # batches counted in round 1: FedRep's head epochs count too (every forward in training)
+            c0, c1 = int(ups[0].update[key]), int(ups[1].update[key])
+            assert c0 > c1 > 0
+            for k in ("encoder.2.running_mean", "encoder.2.running_var"):
+                mean = (ups[0].update[k].double() * 8 + ups[1].update[k].double() * 2) / 10
+                assert torch.allclose(now[k].double(), mean, atol=1e-6), (buffers, k)
+            assert int(now[key]) == c0
+        sent = set(s.algorithm.broadcast(2)["weights"])
+        assert (sent & bn == set()) == (buffers == "local" or not holds), (buffers, sent)
+        (r,) = s.run_clients(2, [1], s.algorithm.broadcast(2))
+        if holds:
+            assert int(r.update[key]) == (2 * c1 if buffers == "local" else c0 + c1), buffers
+        if buffers == "local" and algorithm in ("fedper", "fedrep"):  # its model: the served one made its own
+            own = s.states[1]["buffers"]
+            (p,) = s.run_clients(2, [1], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
+            assert all(torch.equal(p.update[k], own[k]) for k in own)
+
+
+def test_fedbabu_fine_tunes_at_a_fraction_of_the_training_lr():
+    """`fedbabu.finetune_lr=0.01` (the authors' setting): one full-batch step at lr 0.5 x 0.01."""
+    s = server_for("fedbabu", "fedbabu.finetune_epochs=1", "fedbabu.finetune_lr=0.01")
+    w = cpu_state(s.algorithm.model)
+    (p,) = s.run_clients(1, [0], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
+    g = grads(w)
+    assert all(torch.allclose(p.update[k], w[k] - 0.005 * g[k], atol=1e-7) for k in w)
+
+
+def test_apfl_trains_on_augmented_batches(ray_local, tmp_path):
+    """`local.augment` reaches APFL's training (it used to train on the raw batches): the same
+    run with and without crop-and-flip gives another model (v trains on the same batches as
+    w: one loop, `local_sgd`'s)."""
+    common = ["dataset=digits", "model=mlp", "model_options.hidden=[16]", "num_clients=4", "clients_per_round=4",
+              "rounds=1", "algorithm=apfl", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "run_name=plain"]) == 0
+    assert main([*common, "run_name=aug", "local.augment=crop_flip"]) == 0
+    plain, aug = _model(tmp_path / "plain"), _model(tmp_path / "aug")
+    assert any(not torch.equal(plain[k], aug[k]) for k in plain)

@@ -101,6 +101,19 @@ def group_layers(layers: Layers) -> Layers:
     return out
 
 
+PERSONAL_TEST_FRACTION = 0.2  # a personalised run's local test splits when the user sets none
+
+
+def defaulted_test_split(layers: Layers, cfg) -> bool:
+    """A personalised algorithm (contract.Algorithm.personal) is judged by each client's own
+    model on its own test split: with `partition.test_fraction` set by no layer, it gets
+    PERSONAL_TEST_FRACTION (said in the log: `describe_layers`)."""
+    if cfg.algorithm not in registry.ALGORITHMS or not registry.ALGORITHMS.get(cfg.algorithm).personal:
+        return False
+    return not any(isinstance(data.get("partition"), dict) and "test_fraction" in data["partition"]
+                   for _, data in layers)
+
+
 def describe_layers(layers: Layers, cfg) -> list[str]:
     """Lines for the user: which files were layered, and the sections of --config files that
     this run does not read."""
@@ -113,6 +126,10 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
     for source, name, key in unused_sections(layers, cfg):
         if source != OVERRIDES and not cfg.get("resume"):  # a run's config.yaml holds every section: no news
             lines.append(f"note: {short(source)} sets {name}.*, which {key}={cfg[key]} does not read")
+    if defaulted_test_split(layers, cfg):
+        lines.append(f"note: algorithm={cfg.algorithm} tests each client's own model on its own test split: "
+                     f"partition.test_fraction={PERSONAL_TEST_FRACTION} of each client's samples (set "
+                     "partition.test_fraction to choose)")
     return lines
 
 
@@ -187,6 +204,8 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
         for source, data in layers:  # again one at a time: _merge names the layer at fault
             cfg = _merge(cfg, data, source)
         raise
+    if defaulted_test_split(layers, cfg):
+        cfg.partition.test_fraction = PERSONAL_TEST_FRACTION
     validate(cfg)
     check_sections(layers, cfg)
     name_plugins_used(cfg)

@@ -55,6 +55,15 @@ class EvalConfig:
 
 
 @dataclass
+class PersonalConfig:
+    """What the personalised algorithms (FedPer, FedRep, LG-FedAvg, Ditto, APFL, FedBABU) share."""
+
+    # the shared part's BatchNorm statistics: `shared` (averaged and broadcast, like the parameters) or
+    # `local` (each client keeps its own: FedBN's rule, and PFLlib's, whose servers send parameters only)
+    buffers: str = "shared"
+
+
+@dataclass
 class LogConfig:
     """Trackers beside the run directory (raysim/results/trackers.py): the config, each round's metrics, the summary."""
 
@@ -213,6 +222,7 @@ class Config:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    personal: PersonalConfig = field(default_factory=PersonalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     num_clients: int = 20
     clients_per_round: Optional[int] = None  # overrides participation when set

@@ -108,6 +108,17 @@ def validate(cfg: DictConfig) -> None:
         takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).trains_on_base_loss]
         raise ConfigError(f"local.focal_gamma: algorithm {cfg.algorithm!r} trains on its own loss, not the plain one; "
                           f"algorithms that take it: {', '.join(takes)}")
+    need(cfg.personal.buffers in ("shared", "local"),
+         f"personal.buffers must be shared or local, got {cfg.personal.buffers!r}")
+    if cfg.personal.buffers != "shared" and not registry.ALGORITHMS.get(cfg.algorithm).personal:
+        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).personal]
+        raise ConfigError(f"personal.buffers: algorithm {cfg.algorithm!r} keeps nothing on its clients; "
+                          f"algorithms that read it: {', '.join(takes)}")
+    unshared = registry.ALGORITHMS.get(cfg.algorithm).unshared
+    if unshared and p.test_fraction == 0 and p.name != "natural":  # natural: LEAF's users have test data of their own
+        raise ConfigError(f"partition.test_fraction=0: algorithm {cfg.algorithm!r} is judged by each client's own "
+                          f"model on its own test split, and the server's model keeps the initial {unshared}, which "
+                          f"no client shares; set partition.test_fraction > 0 (unset, it is 0.2)")
     if cfg.eval.finetune_epochs > 0 and not registry.ALGORITHMS.get(cfg.algorithm).finetunes:
         raise ConfigError(f"eval.finetune_epochs: algorithm {cfg.algorithm!r} evaluates a model its clients do not "
                           "train, so a client cannot fine-tune it; unset eval.finetune_epochs")
