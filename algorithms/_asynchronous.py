@@ -10,9 +10,15 @@ algorithm. Staleness tau = the server's version now - the version the client tra
   Aggregation", Sec. 4): 1 / sqrt(1 + tau).
 - FedAsync (Xie, Koyejo, Gupta 2019, "Asynchronous Federated Optimization", Sec. 5.2):
   constant 1; polynomial (tau + 1)^-a; hinge 1 if tau <= b else 1 / (a (tau - b) + 1).
-Reference implementations read: FedScale's async FedBuff aggregator
-(SymbioticLab/FedScale, fedscale/cloud/aggregation/async_aggregator.py) and FLGo's
-fedasync / fedbuff algorithms (WwZzz/easyFL, flgo/algorithm/fedasync.py, fedbuff.py).
+raysim follows the papers. The reference implementations read differ from them, each way
+an option: FedScale's async FedBuff aggregator (SymbioticLab/FedScale,
+fedscale/cloud/aggregation/async_aggregator.py) averages whole models weighted by
+1/(1 + tau) and drops arrivals staler than `max_staleness` (`fedbuff.reading=fedscale`);
+FLGo (WwZzz/easyFL, flgo/algorithm/fedbuff.py) applies the plain mean update
+(`fedbuff.staleness=none`), and its fedasync.py a FedProx client (mu 0.005: `fedasync.rho`)
+with hinge constants 10 and 6 and no +1 in the hinge (`fedasync.b=6`). Both papers' servers
+wait for their count of updates: a client that went offline brings none and is not counted
+(`updates`).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import math
 from typing import Iterator
 
 from raysim.contract import Server
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, RunStalled
 from raysim.training import cpu_state
 
 from raysim.algorithms.fedavg import FedAvg
@@ -49,7 +55,7 @@ def needs_clock(cfg, section: str) -> None:
 
 
 class Asynchronous(FedAvg):
-    """FedAvg's client update, served asynchronously: `arrivals` keeps `concurrency` clients
+    """FedAvg's client update, served asynchronously: `updates` keeps `concurrency` clients
     training and yields their updates in simulated-time order."""
 
     asynchronous = True  # the server gives the run a clock (runtime/clock.py) even without system.profile
@@ -72,11 +78,31 @@ class Asynchronous(FedAvg):
             self._payload = ({"weights": cpu_state(self.model)}, self.version)
         return self._payload
 
-    def arrivals(self, rnd: int, server: Server, n: int, concurrency: int, window: int) -> Iterator:
-        """n arrivals, in windows of `window` over which the model clients download stays the
-        same (the server plans and sends a window's clients at once: runtime/asynchronous.py)."""
-        for first in range(0, n, window):
-            yield from server.arrivals(rnd, min(window, n - first), concurrency, self.payload)
+    def updates(self, rnd: int, server: Server, n: int, concurrency: int, window: int) -> Iterator:
+        """The next n updates that arrive, in windows of at most `window` arrivals over which
+        the model clients download stays the same (the server plans and sends a window's
+        clients at once: runtime/asynchronous.py). A client that went offline before its
+        update was back (or whose actor died) brings none: the server waits for n updates,
+        as both papers' servers do (FedBuff's buffer holds K updates). A run in which
+        `stall_after(server)` clients in a row bring none stops and says so."""
+        got, lost = 0, 0
+        while got < n:
+            for a in server.arrivals(rnd, min(window, n - got), concurrency, self.payload):
+                if a.result is None:
+                    lost += 1
+                    continue
+                got, lost = got + 1, 0
+                yield a
+            if lost >= self.stall_after(server):
+                server.stop_early(rnd, "stalled", RunStalled,
+                                  f"{self.cfg.algorithm} cannot go on: the last {lost} clients started went offline "
+                                  f"before their update was back (system.availability={self.cfg.system.availability}: "
+                                  "online intervals shorter than the clients' training)")
+
+    @staticmethod
+    def stall_after(server: Server) -> int:
+        """Clients in a row without an update after which a run is taken to be stuck."""
+        return max(100, 10 * int(server.cfg.num_clients))
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "version": self.version}

@@ -31,6 +31,10 @@ CASES = [(a, {"algorithm": a}) for a in (
     ("fedavg+vectorize", {"model": "mclr", "local.vectorize": True}),
     ("fedavgm+vgg9-batchnorm", {"algorithm": "fedavgm", "model": "vgg9", "model_options.norm": "batch", "rounds": 2}),
     ("scaffold+vgg9-batchnorm", {"algorithm": "scaffold", "model": "vgg9", "model_options.norm": "batch", "rounds": 2}),
+] + [(a, {"algorithm": a, "partition.test_fraction": 0.2}) for a in (  # personalised: local test splits set
+    "fedper", "fedrep", "lg_fedavg", "ditto", "apfl", "fedbabu")] + [
+    ("fedbuff", {"algorithm": "fedbuff", "fedbuff.concurrency": 4, "fedbuff.buffer": 2}),
+    ("fedasync", {"algorithm": "fedasync", "fedasync.concurrency": 4, "fedasync.updates_per_round": 2}),
 ]
 
 

@@ -116,6 +116,10 @@ class Server(Protocol):
     # kept training from payload() = (payload, version), which must not change before the n-th
     def arrivals(self, rnd: int, n: int, concurrency: int, payload: Callable[[], tuple]) -> Iterator[Any]: ...
 
+    # end the run in round rnd, which cannot go on: the rounds before are kept, the summary's status
+    # says `status`; raises `error` (errors.RunDiverged or a subclass) with `why`
+    def stop_early(self, rnd: int, status: str, error: type, why: str) -> None: ...
+
 
 class Algorithm:
     """Base class of an algorithm plugin: register a subclass with
@@ -218,7 +222,14 @@ class Algorithm:
     personal: ClassVar[bool] = False
     """True: each client has a model of its own (FedPer's head, Ditto's v): evaluation on the
     clients' own test data (`partition.test_fraction`) also tests each client's model
-    (`personalise`; runtime/personal_eval.py), as `eval.finetune_epochs` does for any algorithm."""
+    (`personalise`; runtime/personal_eval.py), as `eval.finetune_epochs` does for any algorithm.
+    A personalised run tests its clients' own models on their own test splits:
+    `partition.test_fraction` is 0.2 when no layer of the config sets it (config/layers.py)."""
+    unshared: ClassVar[Optional[str]] = None
+    """The part of the server's model no client uploads (FedPer's head, LG-FedAvg's encoder),
+    which stays at its initial weights: the server's model is then no client's, its accuracy
+    is never reported as the method's, and a run without the clients' own test splits is
+    refused (there would be nothing meaningful to report)."""
 
     def personal_payload(self, name: str, model: torch.nn.Module) -> Any:
         """What `personalise` receives for the clients `model` (`eval_models()[name]`)

@@ -2,7 +2,8 @@
 
 `ConfigError` is bad input, found before anything is written (exit 2);
 `RunDiverged` is a run whose loss or model turned non-finite (exit 3): the rounds before
-it are kept in the run directory, with a summary that says where it stopped; `WriteFailed`
+it are kept in the run directory, with a summary that says where it stopped (`RunStalled`,
+an asynchronous run to which no update can arrive, ends the same way); `WriteFailed`
 is a run directory that could not be written (a full disk): exit 1, the last good
 checkpoint named."""
 
@@ -13,6 +14,11 @@ class ConfigError(Exception):
 
 class RunDiverged(Exception):
     """The training loss or a model weight became NaN or infinite; the message is one line."""
+
+
+class RunStalled(RunDiverged):
+    """An asynchronous run that cannot progress: no client can start, or none stays online
+    long enough for its update to arrive; the message is one line."""
 
 
 class WriteFailed(Exception):

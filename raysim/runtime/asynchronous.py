@@ -13,7 +13,10 @@ in parallel at a few tasks a window (a task per client ran at 0.67 of the synchr
 throughput: benchmarks/results-simulated-time-cpu-2core.txt). Results are taken in the
 planned order, whatever the order in which actors really finish, so an asynchronous run is
 the same, bit for bit, on any number of actors. A client whose online time ends first
-(runtime/online.py) arrives as a dropout at that time, untrained.
+(runtime/online.py) arrives as a dropout at that time, untrained. A client that drops out
+(`system.dropout`, fixed per (seed, round, client)) is not started, is recorded once, and is
+not picked again in that round; when no client can start and none is in flight (all dropped,
+or none will come online), the run stops and says so (`RunStalled`).
 
 Checkpoints hold the clients in flight (each one's round, start, arrival and payload, one
 copy per model version); a resumed run sends them again, so it continues bit for bit.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from raysim.contract import ClientResult
+from raysim.errors import RunStalled
 from raysim.training import nbytes
 
 
@@ -87,6 +91,7 @@ class InFlight:
         self.payloads: dict[int, Any] = {}  # version: what clients of that version downloaded
         self.seq = 0
         self.round: Optional[tuple] = None  # (round, the clients there, the stream its picks draw from)
+        self.dropped: set[int] = set()  # the round's clients that dropped out: not picked again in it
         self.busy = [0] * server.dispatch.n_actors
         self.pending: list[Flight] = []  # started, not sent yet
         self.epochs = int(server.cfg.local.epochs)  # read once: an OmegaConf lookup per client adds up
@@ -104,7 +109,8 @@ class InFlight:
         s = self.server
         if self.round is None or self.round[0] != rnd:  # a round's picks draw in turn from one stream
             self.round = (rnd, s.availability.available(rnd), s.rng(rnd, 1000))
-        busy = self.cids()
+            self.dropped = set()
+        busy = self.cids() | self.dropped
         free = [c for c in s.clock.online.online(self.round[1], s.clock.now) if c not in busy]
         if not free:
             return None
@@ -114,15 +120,20 @@ class InFlight:
     def keep_training(self, rnd: int, concurrency: int, payload) -> None:
         """Start clients (`pick`) until `concurrency` are in flight, each with `payload()` =
         (what it downloads, its version); with none online and none in flight, the clock
-        first waits for a client to come online."""
+        first waits for a client to come online; with none that ever can, the run stops."""
         s = self.server
         while len(self) < concurrency:
             cid = self.pick(rnd)
             if cid is None:
                 if self.flights:
                     return
-                there = [c for c in s.availability.available(rnd) if c not in self.cids()]
-                s.clock.now = s.clock.online.next_start(there, s.clock.now)
+                waiting = [c for c in self.round[1] if c not in self.dropped]  # none is in flight
+                if not waiting or s.clock.online.mode == "always":
+                    s.stop_early(rnd, "stalled", RunStalled,
+                                 f"{s.cfg.algorithm} cannot go on: no client can start and none is training (of "
+                                 f"{len(self.round[1])} clients there, {len(self.dropped)} dropped out: "
+                                 f"system.dropout={s.cfg.system.dropout})")
+                s.clock.now = s.clock.online.next_start(waiting, s.clock.now)
                 continue
             self.start(rnd, cid, *payload())
 
@@ -131,7 +142,8 @@ class InFlight:
         epochs = self.epochs
         if s.system.active:  # stragglers' epochs (a dropout simply does not arrive: it is not started)
             kept, got, dropped = s.system.apply(rnd, [cid], {cid: epochs})
-            if dropped:
+            if dropped:  # recorded once: not picked again this round
+                self.dropped.add(cid)
                 s.record.client(rnd, cid, "client_update", "dropped", reason="dropout")
                 return
             epochs = got[cid]

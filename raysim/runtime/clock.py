@@ -17,8 +17,10 @@ and every run). With `local.steps`, samples x epochs is steps x batch size.
 
 The server's clock: a training call starts when the previous one ended and ends when its
 slowest client is back; with `system.deadline` a client that would be later is dropped
-before it trains (`reason=deadline` in the clients table; FedScale's and FedBuff's
-over-selection) and the call ends at the deadline. With `system.availability`
+before it trains (`reason=deadline` in the clients table) and the call ends at the
+deadline: a fixed round deadline. (This is not FedScale's over-commitment, which selects
+more clients than it needs and keeps the first K to finish, so that a round ends at the
+K-th arrival, not at a fixed time; raysim has no over-commitment yet.) With `system.availability`
 (runtime/online.py) only clients online at a round's start are offered to the selection,
 and one whose online time ends before its update is back is dropped (`reason=offline`). Clients that drop out
 (`system.dropout`) hold nothing up. Rounds record `sim_start` and `sim_end`, clients

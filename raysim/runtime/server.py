@@ -103,10 +103,14 @@ class FederatedServer:
                                  num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
-        if int(self.cfg.eval.finetune_epochs) > 0 and self.local_tests is None:
+        unshared = ALGORITHMS.get(self.cfg.algorithm).unshared
+        if (int(self.cfg.eval.finetune_epochs) > 0 or unshared) and self.local_tests is None:
             self.dispatch.release()
-            raise ConfigError("eval.finetune_epochs: fine-tuned models are tested on each client's own test data, and "
-                              "these clients have none: set partition.test_fraction (e.g. 0.2)")
+            why = ("eval.finetune_epochs: fine-tuned models are" if not unshared else
+                   f"algorithm={self.cfg.algorithm}: its clients' own models are (the server's keeps the initial "
+                   f"{unshared})")
+            raise ConfigError(f"{why} tested on each client's own test data, and these clients have none: set "
+                              "partition.test_fraction (e.g. 0.2)")
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
         # long-tailed data: accuracy on the many / medium / few-shot classes (data/long_tail.py)
@@ -330,13 +334,18 @@ class FederatedServer:
         if not what:
             return
         loc = self.cfg.local
+        self.stop_early(rnd, "diverged", RunDiverged, f"{self.cfg.algorithm} diverged: {'; '.join(what)}. Try a "
+                        f"smaller local.lr (now {loc.lr}) or local.momentum (now {loc.momentum})")
+
+    def stop_early(self, rnd: int, status: str, error: type, why: str) -> None:
+        """End the run in round `rnd`, which cannot go on: the rounds before stay in the run
+        directory, its summary says `status` and why; raises `error` (RunDiverged's kind)."""
         kept = f"the metrics of rounds 1..{rnd - 1} are in {self.record.dir}" if rnd > 1 else "no round finished"
-        msg = (f"round {rnd}: {self.cfg.algorithm} diverged: {'; '.join(what)}. Try a smaller local.lr "
-               f"(now {loc.lr}) or local.momentum (now {loc.momentum}); {kept}")
+        msg = f"round {rnd}: {why}; {kept}"
         self.record.log(msg)
-        self.record.finish({**self.record.summary(), "status": "diverged", "diverged_round": rnd, "reason": msg}, None)
+        self.record.finish({**self.record.summary(), "status": status, f"{status}_round": rnd, "reason": msg}, None)
         self.dispatch.release()  # a clean stop: the actors can serve the next run
-        raise RunDiverged(msg)
+        raise error(msg)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, rnd: int) -> None:
@@ -372,6 +381,8 @@ class FederatedServer:
         if self.clock is not None:
             summary.update(self.clock.summary(self.record.writer.rows, self.cfg.system.target_accuracy))
         summary.update(self._after_training(summary["final_accuracy"]))
+        if self.algorithm.unshared:  # the server's model is no client's: its accuracy is not the method's
+            summary["server_model_unshared"] = self.algorithm.unshared
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
         devices: set[str] = set()
