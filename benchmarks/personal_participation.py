@@ -41,8 +41,7 @@ def main() -> int:
         point = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
         if point is None:
             continue
-        key = dict(part.split("=", 1) for part in run.name.split(","))
-        pooled[(key.get("split", ""), key.get("method", ""))].extend(run_rows(run))
+        pooled[group(run)].extend(run_rows(run))
     head = "".join(f"{f'{lo}-{hi}' if hi < 99 else f'{lo}+':>16}" for lo, hi in BINS)
     print(f"{'split':<20}{'method':<26}{head}{'corr':>8}")
     print(f"{'':<46}" + "".join(f"{'acc (clients)':>16}" for _ in BINS) + "   (rounds trained -> personal accuracy)")
@@ -72,12 +71,20 @@ def apfl_alphas(sweep: Path) -> dict[tuple, list]:
     out: dict[tuple, list] = defaultdict(list)
     for run in sorted(sweep.iterdir()):
         ckpt = run / "checkpoint.pt"
-        if "apfl" not in run.name or not ckpt.exists():
+        if not ckpt.exists() or "algorithm: apfl" not in (run / "config.yaml").read_text():
             continue
-        key = dict(part.split("=", 1) for part in run.name.split(","))
         states = torch.load(ckpt, weights_only=False)["client_states"]
-        out[(key.get("split", ""), key.get("method", ""))].extend(s["alpha"] for s in states.values() if "alpha" in s)
+        out[group(run)].extend(s["alpha"] for s in states.values() if "alpha" in s)
     return out
+
+
+def group(run: Path) -> tuple[str, str]:
+    """(split, method) of a sweep point from its folder name: the `split` and `method` axes of
+    configs/sweeps/personal_mnist.yaml, else `partition` and the other axes but the seed."""
+    key = dict(part.split("=", 1) for part in run.name.split(","))
+    key.pop("seed", None)
+    split = key.pop("split", None) or key.pop("partition", "")
+    return split, key.pop("method", None) or ",".join(f"{k}={v}" for k, v in key.items())
 
 
 if __name__ == "__main__":

@@ -111,17 +111,24 @@ def test_ditto_personal_step_is_the_proximal_gradient_step_towards_the_received_
         assert torch.allclose(r.update[k], w[k] - 0.5 * gw[k], atol=1e-6)
 
 
+def apfl_round(*more: str):
+    """APFL's round 1 on client 0 from the initial w, a hand-set v = w - 0.2 and alpha 0.3:
+    (server, w, v, its result)."""
+    s = server_for("apfl", *more)
+    w = cpu_state(s.algorithm.model)
+    v = {k: t - 0.2 * torch.ones_like(t) for k, t in w.items()}
+    s.states[0] = {"v": v, "alpha": 0.3}
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    return s, w, v, r
+
+
 @pytest.mark.parametrize("variant", ["paper", "pfllib"])
 def test_apfl_updates_w_v_and_alpha_by_its_formulas(variant):
     """One full-batch step from w, a hand-set v and alpha = 0.3. The paper: g = grad f(v_bar)
     at v_bar = alpha v + (1 - alpha) w; v1 = v - lr alpha g; alpha1 = alpha - lr <v - w, g>;
     w1 = w - lr grad f(w). PFLlib: v1 = v - lr grad f(v); alpha1 = alpha - lr (<v1 - w1,
     alpha grad f(v) + (1 - alpha) grad f(w)> + 0.02 alpha); v kept as the mixture."""
-    s = server_for("apfl", f"apfl.variant={variant}")
-    w = cpu_state(s.algorithm.model)
-    v = {k: t - 0.2 * torch.ones_like(t) for k, t in w.items()}
-    s.states[0] = {"v": v, "alpha": 0.3}
-    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    s, w, v, r = apfl_round(f"apfl.variant={variant}")
     gw = grads(w)
     w1 = {k: w[k] - 0.5 * gw[k] for k in w}
     if variant == "paper":
@@ -275,11 +282,7 @@ def test_apfl_trains_through_the_shared_training_loop():
     assert r.metrics["steps"] == 1  # the batch of one is not trained on
     assert "encoder.2.running_mean" in bn.states[2]["v"]  # v keeps BatchNorm statistics of its own
 
-    s = server_for("apfl", "apfl.variant=pfllib", "local.epochs=2", "local.momentum=0.9")
-    w = cpu_state(s.algorithm.model)
-    v = {k: t - 0.2 * torch.ones_like(t) for k, t in w.items()}
-    s.states[0] = {"v": v, "alpha": 0.3}
-    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    s, w, v, r = apfl_round("apfl.variant=pfllib", "local.epochs=2", "local.momentum=0.9")
     g0 = grads(v)
     v1 = {k: v[k] - 0.5 * g0[k] for k in v}
     g1 = grads(v1)
