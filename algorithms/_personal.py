@@ -124,9 +124,15 @@ class Personal(FedAvg):
     def load_global(self, client: Client, model: torch.nn.Module, payload) -> None:
         """The model the client downloads: the initial model, the served weights on it, and,
         with `personal.buffers=local`, the shared part's buffers as the client left them."""
-        model.load_state_dict({**self.initial(client), **payload["weights"]})
-        if self.local_buffers and "buffers" in client.state:
-            model.load_state_dict(client.state["buffers"], strict=False)
+        model.load_state_dict({**self.initial(client), **payload["weights"], **self.own_buffers(client, model)})
+
+    def own_buffers(self, client: Client, model: torch.nn.Module) -> dict:
+        """`personal.buffers=local`: the shared part's buffers as the client left them (the
+        initial model's before its first round); else nothing."""
+        if not self.local_buffers:
+            return {}
+        keys = self._keys(model, self.shared) & self._keys(model, "buffers")
+        return {**{k: v for k, v in self.initial(client).items() if k in keys}, **client.state.get("buffers", {})}
 
     def keep_buffers(self, client: Client, model: torch.nn.Module) -> None:
         """`personal.buffers=local`: the shared part's buffers stay on the client."""
@@ -145,10 +151,7 @@ class Personal(FedAvg):
         and its own buffers of the shared part (`personal.buffers=local`)."""
         if "kept" in client.state:
             model.load_state_dict(client.state["kept"], strict=False)
-        if self.local_buffers:
-            model.load_state_dict({**{k: v for k, v in self.initial(client).items()
-                                      if k in self._keys(model, self.shared) & self._keys(model, "buffers")},
-                                   **client.state.get("buffers", {})}, strict=False)
+        model.load_state_dict(self.own_buffers(client, model), strict=False)
 
     def keep(self, client: Client, model: torch.nn.Module) -> None:
         if self.kept is not None:

@@ -212,7 +212,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     run_dir = None
     keep = False
     try:
-        info = ray.get(server.setup.remote(layers, os.getcwd(), t_start))
+        info = awaited(server.setup.remote(layers, os.getcwd(), t_start))
         if size_store:
             size = store_size_for_this_machine(info["data_bytes"], info["store_bytes"])
             if size is not None:
@@ -221,7 +221,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             print(f"note: {info['notice']}", file=sys.stderr)
         say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
         wait_for_actors(server, info, say)
-        info = ray.get(server.open_run.remote())
+        info = awaited(server.open_run.remote())
         run_dir = info["run_dir"]
         say(info["banner"])
         say(f"run directory: {run_dir}")
@@ -231,14 +231,16 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
             bar.update(info["start_round"] - 1)
         for rnd in range(info["start_round"], info["rounds"] + 1):
-            row = ray.get(server.step.remote(rnd))
+            row = awaited(server.step.remote(rnd))
             if stop_requested.is_set():
                 raise KeyboardInterrupt
             if bar is not None:
-                if row.get("accuracy") is not None:
+                if row.get("personal_accuracy") is not None:  # a personalised run: the clients' own models
+                    bar.set_postfix(own=f"{row['personal_accuracy']:.4f}", refresh=False)
+                elif row.get("accuracy") is not None:
                     bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
                 bar.update(1)
-        summary = ray.get(server.finish.remote())
+        summary = awaited(server.finish.remote())
         keep = True
         return summary
     except ray.exceptions.ActorDiedError as e:
@@ -256,7 +258,8 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             raise known from None  # ConfigError, RunDiverged: their message is the whole story
         raise RunFailed(failure_message(e, run_dir)) from None
     except KeyboardInterrupt:
-        flush(server)
+        if run_dir is not None:  # before the run directory there is nothing to write (and the server, busy
+            flush(server)        # loading the data, would answer only when done)
         where = (f"the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues from "
                  "its last checkpoint (checkpoint_every)") if run_dir else "before the first round: nothing was written"
         raise Interrupted(f"interrupted {where}") from None
@@ -323,6 +326,18 @@ def failure_message(e, run_dir: Optional[str]) -> str:
     return "\n".join(lines)
 
 
+def awaited(ref):
+    """`ray.get(ref)`, waiting in steps of 0.2 s: Ray 2.60's `ray.get` sits in C++ until the
+    result is there, so a Ctrl-C or SIGTERM (`run._terminate`) met Python only when the
+    server's call returned (the data loaded, the actors started: 10 s after the signal on 2
+    cores); between steps it is raised at once."""
+    import ray
+
+    while not ray.wait([ref], timeout=0.2)[0]:
+        pass
+    return ray.get(ref)
+
+
 def wait_for_actors(server, info: dict, say: Say = quiet) -> None:
     """Wait until every client actor is placed and started, saying what it waits for every
     10 s; after `resources.placement_timeout` seconds stop with one line (nothing is written
@@ -333,7 +348,7 @@ def wait_for_actors(server, info: dict, say: Say = quiet) -> None:
     t0 = time.time()
     said = t0
     while True:
-        placed = ray.get(server.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
+        placed = awaited(server.placed.remote(max(0.0, min(5.0, t0 + limit - time.time()))))
         if placed == n:
             return
         waited = time.time() - t0
