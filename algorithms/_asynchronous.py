@@ -1,6 +1,6 @@
 """What FedBuff and FedAsync share (issue 43): clients train from the model version they
 downloaded while the server updates its model; their updates arrive in simulated-time order
-(runtime/asynchronous.py on the virtual clock, runtime/clock.py; without a `system.profile`
+(runtime/asynchronous.py on the virtual clock, world/clock.py; without a `system.profile`
 the run takes the `uniform` one). A round is a fixed number of arrivals (FedBuff: one buffer; FedAsync:
 `fedasync.updates_per_round`), so rounds, evaluation and checkpoints work as for any
 algorithm. Staleness tau = the server's version now - the version the client trained from.
@@ -58,7 +58,7 @@ class Asynchronous(FedAvg):
     """FedAvg's client update, served asynchronously: `updates` keeps `concurrency` clients
     training and yields their updates in simulated-time order."""
 
-    asynchronous = True  # the server gives the run a clock (runtime/clock.py) even without system.profile
+    asynchronous = True  # the server gives the run a clock (world/clock.py) even without system.profile
     server_parts = ()  # subclasses say which server parts their step takes
     returns_model = False  # an arrival is applied alone: no cohort for a model attack to hide in
     trains_privately = False

@@ -204,7 +204,7 @@ class Algorithm:
         return {}
 
     def clients_joined(self, rnd: int, cids: list[int], server: Server) -> None:
-        """Clients that join late (`clients.join`, runtime/availability.py) arrive at the start
+        """Clients that join late (`clients.join`, world/availability.py) arrive at the start
         of round `rnd`, before selection: an algorithm that places clients (FedGroup's client
         cold start) does it here or when they are first selected. Default: nothing."""
 
@@ -311,7 +311,7 @@ class Selection:
         self.num_clients = num_clients
         self.num_classes = num_classes
         # the clients there this round (clients that join late are not, before their round:
-        # runtime/availability.py); the server sets it before each `select`
+        # world/availability.py); the server sets it before each `select`
         self.available: list[int] = list(range(num_clients))
 
     def setup(self, server: Server) -> None:

@@ -32,12 +32,16 @@ def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
         load_checked(cfg)  # a safe, readable checkpoint that config.yaml still describes
     else:
         run_dir_for(cfg)  # refuses a run directory that exists, an output_dir under a file
-    if cfg.system.profile == "trace":  # a malformed device trace: one line naming the file and the row, now
-        from raysim.runtime.clock import read_trace
+    if cfg.data_store == "files" or (cfg.data_store == "auto" and cfg.data_store_dir):  # where the arrays may go
+        from raysim.data.store import root
 
-        read_trace(cfg.system.trace)
+        can_create_in("data_store_dir", cfg.data_store_dir or root(cfg))
+    if cfg.system.profile == "trace":  # a malformed device trace: one line naming the file and the row, now
+        from raysim.world.traces import read_devices
+
+        read_devices(cfg.system.trace)
     if cfg.system.availability == "trace":
-        from raysim.runtime.online import read_intervals
+        from raysim.world.traces import read_intervals
 
         read_intervals(cfg.system.availability_trace)
     for line in describe_layers(layers, cfg):
@@ -63,18 +67,25 @@ def run_dir_for(cfg: DictConfig) -> Path:
     """`output_dir/run_name` (default name: algorithm-dataset-timestamp); must not exist."""
     name = cfg.run_name or f"{cfg.algorithm}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(cfg.output_dir)
-    for folder in (out, *out.parents):  # the nearest part of output_dir that exists must be a folder
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder; "
-                                  "choose another output_dir")
-            try:  # writable, found now rather than after Ray started (a read-only mount, /proc, no permission)
-                os.rmdir(tempfile.mkdtemp(prefix=".raysim-check-", dir=folder))
-            except OSError as e:
-                raise ConfigError(f"output_dir={cfg.output_dir!r}: cannot create folders in {folder} "
-                                  f"({e.strerror or type(e).__name__}); choose another output_dir") from None
-            break
+    can_create_in("output_dir", cfg.output_dir)
     run_dir = out / name
     if run_dir.exists():
         raise ConfigError(f"run directory {run_dir} already exists; choose another run_name or output_dir")
     return run_dir
+
+
+def can_create_in(key: str, value) -> None:
+    """The folder `value` of config key `key` exists or can be made: the nearest part of it
+    that exists is a folder this process can create folders in (found now rather than after
+    Ray started: a read-only mount, /proc, no permission). A ConfigError naming the key."""
+    path = Path(str(value)).expanduser()
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"{key}={str(value)!r}: {folder} is a file, not a folder; choose another {key}")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".raysim-check-", dir=folder))
+            except OSError as e:
+                raise ConfigError(f"{key}={str(value)!r}: cannot create folders in {folder} "
+                                  f"({e.strerror or type(e).__name__}); choose another {key}") from None
+            return

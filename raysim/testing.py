@@ -31,7 +31,7 @@ from raysim.contract import ClientResult
 from raysim.attacks import Adversaries
 from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
-from raysim.runtime.availability import Availability
+from raysim.world.availability import Availability
 from raysim.runtime.wire import pack, unpack
 from raysim.training import client_method, evaluate, new_client, partial_sum
 from raysim.vectorized import group_sum, unstack

@@ -1,4 +1,4 @@
-"""Simulated time (raysim/runtime/clock.py, online.py): a three-client case computed by hand,
+"""Simulated time (raysim/world/clock.py, online.py): a three-client case computed by hand,
 the deadline's drops, the rounds' and clients' simulated times in a real run, online
 intervals by hand and respected by every selection strategy, and a malformed trace as one
 line naming the file and the row."""
@@ -20,7 +20,7 @@ def test_three_clients_by_hand(tmp_path):
     1 MB payload. Each client: 2 x 0.1 + 1 MB / down + samples x 1e8 / speed + 1 MB / 1 MB/s:
     3.2, 2.7 and 8.2 s. A call ends with its slowest client; a 5 s deadline drops client 2
     and ends the call at 5 s."""
-    from raysim.runtime.clock import Clock
+    from raysim.world.clock import Clock
 
     (tmp_path / "devices.csv").write_text(TRACE)
     cfg = load_config(overrides=["system.profile=trace", f"system.trace={tmp_path / 'devices.csv'}"])
@@ -76,8 +76,14 @@ def test_a_run_records_simulated_time_and_the_deadline_drops_the_slow_clients(ra
 
 @pytest.mark.parametrize("text, says", [
     ("gflops,down,up,latency\n1,2,3,4\n", "the first row must be the header gflops,down_mbps,up_mbps,latency_s"),
-    (TRACE + "1,8,x,0.1\n", "row 5: '1,8,x,0.1' is not four numbers"),
-    (TRACE + "0,8,8,0.1\n", "row 5: '0,8,8,0.1' is not four numbers"),
+    (TRACE + "1,8,x,0.1\n", "row 5: '1,8,x,0.1' is not gflops,down_mbps,up_mbps,latency_s"),
+    (TRACE + "0,8,8,0.1\n", "row 5: '0,8,8,0.1' is not gflops,down_mbps,up_mbps,latency_s"),
+    (TRACE + "1,8\n", "row 5: '1,8' is not"),
+    (TRACE + "1,8,inf,0.1\n", "row 5: '1,8,inf,0.1' is not"),
+    # every device without bandwidth: no client could ever finish an update
+    ("gflops,down_mbps,up_mbps,latency_s\n" + "2,0,0,0.1\n" * 3, "row 2: '2,0,0,0.1' is not gflops,down_mbps,"
+                                                                "up_mbps,latency_s (gflops, down_mbps and up_mbps > 0: "
+                                                                "a device without compute or bandwidth never finishes"),
 ])
 def test_a_malformed_trace_is_one_line_naming_the_file_and_the_row(ray_local, tmp_path, capfd, text, says):
     (tmp_path / "devices.csv").write_text(text)
@@ -92,7 +98,7 @@ def test_online_intervals_by_hand(tmp_path):
     """A trace of two clients (client 0: [0, 10) and [20, 30); client 1: [5, 40)) repeats
     every 40 s; client 2 follows trace client 0. `diurnal` gives each client one stretch of
     `online_hours` a day."""
-    from raysim.runtime.online import Online
+    from raysim.world.online import Online
 
     (tmp_path / "on.csv").write_text("client,start_s,end_s\n0,20,30\n0,0,10\n1,5,40\n")
     cfg = load_config(overrides=["system.profile=uniform", "system.availability=trace",

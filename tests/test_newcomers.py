@@ -4,7 +4,7 @@ import pytest
 
 from raysim.config import ConfigError, load_config
 from raysim.run import main
-from raysim.runtime.availability import Availability
+from raysim.world.availability import Availability
 
 
 def test_newcomers_arrive_in_batches_drawn_from_the_seed():

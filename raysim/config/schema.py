@@ -126,11 +126,11 @@ class SystemConfig:
     dropout: float = 0.0  # probability that a selected client does not return its update
     stragglers: float = 0.0  # fraction of all clients that are stragglers (drawn once from the seed)
     straggler_epochs: List[int] = field(default_factory=lambda: [1, 5])  # a straggler's epochs: uniform in [lo, hi]
-    profile: str = "none"  # simulated time (runtime/clock.py): none | uniform | mobile | trace (devices from system.trace)
+    profile: str = "none"  # simulated time (world/clock.py): none | uniform | mobile | trace (devices from system.trace)
     trace: Optional[str] = None  # profile=trace: a CSV of devices, header gflops,down_mbps,up_mbps,latency_s
     deadline: Optional[float] = None  # simulated seconds a training call waits for its clients; later ones are dropped
     target_accuracy: Optional[float] = None  # summary.json: the simulated time the test accuracy first reaches this
-    availability: str = "always"  # who is online when, in simulated time (runtime/online.py): always | diurnal | trace
+    availability: str = "always"  # who is online when, in simulated time (world/online.py): always | diurnal | trace
     online_hours: float = 8.0  # availability=diurnal: hours online of each simulated day
     availability_trace: Optional[str] = None  # availability=trace: a CSV of online intervals, header client,start_s,end_s
 
@@ -149,7 +149,7 @@ class FaultsConfig:
 @dataclass
 class JoinConfig:
     """Clients that join late (newcomers), for any algorithm and selection: see
-    runtime/availability.py. Which clients are late is drawn once from the seed."""
+    world/availability.py. Which clients are late is drawn once from the seed."""
 
     fraction: float = 0.0  # share of the clients (at least one when > 0) not there at the start
     round: int = 1  # the first round they can be selected

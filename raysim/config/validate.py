@@ -122,6 +122,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.eval.finetune_epochs > 0 and not registry.ALGORITHMS.get(cfg.algorithm).finetunes:
         raise ConfigError(f"eval.finetune_epochs: algorithm {cfg.algorithm!r} evaluates a model its clients do not "
                           "train, so a client cannot fine-tune it; unset eval.finetune_epochs")
+    if cfg.eval.finetune_epochs > 0 and p.test_fraction == 0 and p.name != "natural":  # the server checks natural's
+        raise ConfigError("eval.finetune_epochs: fine-tuned models are tested on each client's own test data, and "
+                          "these clients have none: set partition.test_fraction (e.g. 0.2)")
     try:
         augmentation_name(loc.augment)
     except ValueError:
@@ -145,7 +148,7 @@ def validate(cfg: DictConfig) -> None:
     se = list(sy.straggler_epochs)
     need(len(se) == 2 and 1 <= se[0] <= se[1],
          f"system.straggler_epochs must be [lo, hi] with 1 <= lo <= hi, got {se}")
-    from raysim.runtime.clock import PROFILES
+    from raysim.world.clock import PROFILES
 
     profiles = ["none", *PROFILES, "trace"]
     need(sy.profile in profiles, f"system.profile must be one of {', '.join(profiles)}, got {sy.profile!r}")

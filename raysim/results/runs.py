@@ -76,7 +76,7 @@ class Run:
             return values[-1]
         if fn == "round":
             return next((float(rnd) for rnd, v in got if v >= float(m["x"])), None)
-        if fn == "time":  # simulated time (runtime/clock.py): the end of the first round reaching X
+        if fn == "time":  # simulated time (world/clock.py): the end of the first round reaching X
             ends = {r["round"]: r.get("sim_end") for r in rows}
             return next((ends[rnd] for rnd, v in got if v >= float(m["x"])), None)
         if fn.startswith("last"):

@@ -1,6 +1,6 @@
 """Clients in flight, for asynchronous algorithms (FedBuff, FedAsync; issue 43): the part of
 the server that keeps clients training while the server updates its model, on the virtual
-clock (runtime/clock.py).
+clock (world/clock.py).
 
 `arrivals(n)` hands over the next n updates in simulated-time order. The caller promises
 that the model clients download does not change until the n-th is taken (FedBuff: a buffer;
@@ -13,7 +13,7 @@ in parallel at a few tasks a window (a task per client ran at 0.67 of the synchr
 throughput: benchmarks/results-simulated-time-cpu-2core.txt). Results are taken in the
 planned order, whatever the order in which actors really finish, so an asynchronous run is
 the same, bit for bit, on any number of actors. A client whose online time ends first
-(runtime/online.py) arrives as a dropout at that time, untrained. A client that drops out
+(world/online.py) arrives as a dropout at that time, untrained. A client that drops out
 (`system.dropout`, fixed per (seed, round, client)) is not started, is recorded once, and is
 not picked again in that round; when no client can start and none is in flight (all dropped,
 or none will come online), the run stops and says so (`RunStalled`).

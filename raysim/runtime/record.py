@@ -51,7 +51,7 @@ class RunRecord:
                accuracy: Optional[float] = None, num_samples: Optional[int] = None) -> None:
         """One row of the clients table: a call to a client (training, or another method),
         a join, or (method `evaluate`) its accuracy on its local test data. A training call's
-        simulated seconds (`sim_seconds`, runtime/clock.py) come from the round's clock."""
+        simulated seconds (`sim_seconds`, world/clock.py) come from the round's clock."""
         m = result.metrics if result is not None else {}
         if result is not None:
             self.client_updates += 1
@@ -66,7 +66,7 @@ class RunRecord:
 
     def new_round(self) -> None:
         self.rows = []
-        self.sim_seconds = {}  # cid: this round's simulated seconds of its training call (runtime/clock.py)
+        self.sim_seconds = {}  # cid: this round's simulated seconds of its training call (world/clock.py)
 
     def round(self, row: dict) -> None:
         """The round's metrics row and its clients' rows."""

@@ -8,7 +8,7 @@ the checkpoints. The `Server` calls:
 
 - `select_clients(rnd)`: the selection strategy, with an RNG from (seed, round);
 - `run_clients(rnd, cids, payload)`: system effects (dropout, stragglers:
-  availability.py), then the call on the client actors; results in client-id order;
+  world/availability.py), then the call on the client actors; results in client-id order;
 - `new_model()`, `rng(rnd, stream)`, `available_clients(rnd)`.
 
 Checkpoints: `checkpoint_every`, `resume=<run dir>` (checkpoint.py).
@@ -38,9 +38,9 @@ from raysim.preflight import run_dir_for
 from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.runtime import checkpoint, determinism, personal_eval, placement
-from raysim.runtime.availability import Availability, SystemEffects
+from raysim.world.availability import Availability, SystemEffects
 from raysim.runtime.asynchronous import Arrival, InFlight
-from raysim.runtime.clock import Clock
+from raysim.world.clock import Clock
 from raysim.runtime.dispatch import Dispatch
 from raysim.privacy.secagg import SecureAggregation
 from raysim.runtime.local_eval import clients_test_data
@@ -214,7 +214,7 @@ class FederatedServer:
             cids, epochs, dropped = self.system.apply(rnd, cids, epochs)
             for c in dropped:
                 self.record.client(rnd, c, method, "dropped", reason="dropout")
-        if method == "client_update" and self.clock is not None:  # simulated time: runtime/clock.py
+        if method == "client_update" and self.clock is not None:  # simulated time: world/clock.py
             cids, lost, took = self.clock.call(cids, epochs, nbytes(payload))
             self.record.sim_seconds.update(took)
             for c, why in lost.items():
@@ -238,7 +238,7 @@ class FederatedServer:
         d.seconds = dict.fromkeys(d.seconds, 0.0)
         bytes_before = list(d.bytes)
         there = self.availability.available(rnd)
-        if self.clock is not None:  # of those, the ones online now (runtime/online.py); with
+        if self.clock is not None:  # of those, the ones online now (world/online.py); with
             # clients in flight (asynchronous) the clock does not wait for one to come online
             in_flight = self.flight is not None and len(self.flight) > 0
             there = self.clock.online.online(there, self.clock.now) if in_flight else self.clock.available(there)

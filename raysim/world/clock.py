@@ -21,7 +21,7 @@ before it trains (`reason=deadline` in the clients table) and the call ends at t
 deadline: a fixed round deadline. (This is not FedScale's over-commitment, which selects
 more clients than it needs and keeps the first K to finish, so that a round ends at the
 K-th arrival, not at a fixed time; raysim has no over-commitment yet.) With `system.availability`
-(runtime/online.py) only clients online at a round's start are offered to the selection,
+(world/online.py) only clients online at a round's start are offered to the selection,
 and one whose online time ends before its update is back is dropped (`reason=offline`). Clients that drop out
 (`system.dropout`) hold nothing up. Rounds record `sim_start` and `sim_end`, clients
 `sim_seconds`; the summary `sim_seconds` and, with `system.target_accuracy`, the simulated
@@ -33,14 +33,14 @@ simulator (latency, availability). Both time a round by its slowest kept client,
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
 
-from raysim.errors import ConfigError
-from raysim.runtime.online import Online, trace_rows
+from raysim.world.online import Online
+from raysim.world.traces import MBIT, read_devices
 
-MBIT = 1e6 / 8  # bytes per second in a Mbit/s
 # name: (median, spread) of each quantity; spread = sigma of its log-normal (0: every client
 # the same). mobile: speeds 10x apart between the 5th and 95th percentiles (sigma 0.7), links
 # 1-20 Mbit/s down (sigma 0.9), as the FedScale traces' phones spread.
@@ -48,7 +48,6 @@ PROFILES = {
     "uniform": {"speed": (2e9, 0.0), "down": (20 * MBIT, 0.0), "up": (5 * MBIT, 0.0), "latency": (0.05, 0.0)},
     "mobile": {"speed": (2e9, 0.7), "down": (5 * MBIT, 0.9), "up": (1.5 * MBIT, 0.9), "latency": (0.1, 0.5)},
 }
-TRACE_COLUMNS = ("gflops", "down_mbps", "up_mbps", "latency_s")
 
 
 def flops_per_sample(model, sample) -> float:
@@ -66,24 +65,6 @@ def flops_per_sample(model, sample) -> float:
     return float(max(counter.get_total_flops(), 2 * params))  # ops FlopCounterMode does not count: a floor
 
 
-def read_trace(path: str) -> dict[str, np.ndarray]:
-    """The devices of a trace file (module docstring), or a ConfigError naming the file and the row."""
-    values = []
-    for i, row in trace_rows("system.trace", path, TRACE_COLUMNS):
-        try:
-            v = [float(x) for x in row]
-        except ValueError:
-            v = []
-        if len(v) != len(TRACE_COLUMNS) or not all(np.isfinite(v)) or min(v[:3]) <= 0 or v[3] < 0:
-            raise ConfigError(f"system.trace={path}, row {i}: {','.join(row)[:80]!r} is not four numbers "
-                              "(gflops, down_mbps, up_mbps > 0; latency_s >= 0)")
-        values.append(v)
-    if not values:
-        raise ConfigError(f"system.trace={path}: no device rows after the header")
-    a = np.array(values)
-    return {"speed": a[:, 0] * 1e9, "down": a[:, 1] * MBIT, "up": a[:, 2] * MBIT, "latency": a[:, 3]}
-
-
 class Clock:
     """The virtual clock (module docstring): devices per client, and the server's time."""
 
@@ -91,7 +72,7 @@ class Clock:
         s = cfg.system
         profile = profile or s.profile
         if profile == "trace":
-            table = read_trace(s.trace)
+            table = read_devices(s.trace)
             rows = np.arange(num_clients) % len(table["speed"])
             self.devices = {k: v[rows] for k, v in table.items()}
         else:
@@ -101,10 +82,15 @@ class Clock:
         self.sizes = np.asarray(sizes)
         self.flops = flops
         self.deadline = float(s.deadline) if s.deadline else None
-        self.online = Online(cfg, num_clients)  # who is online when (runtime/online.py)
+        self.cfg, self.num_clients = cfg, num_clients
         loc = cfg.local
         self.steps = int(loc.steps) * int(loc.batch_size) if loc.get("steps") else None  # samples a client sees, per epoch
         self.now = 0.0
+
+    @functools.cached_property
+    def online(self) -> Online:
+        """Who is online when (world/online.py), built when first asked (its trace read then)."""
+        return Online(self.cfg, self.num_clients)
 
     @staticmethod
     def from_config(cfg, num_clients: int, sizes, model, sample, asynchronous: bool = False) -> Optional["Clock"]:
@@ -117,10 +103,22 @@ class Clock:
 
     def seconds(self, cid: int, epochs: int, bytes_down: int, bytes_up: int) -> float:
         """Client `cid`'s simulated seconds for one training call."""
-        d = self.devices
         samples = self.steps if self.steps is not None else int(self.sizes[cid]) * epochs
-        return float(2 * d["latency"][cid] + bytes_down / d["down"][cid] + samples * self.flops / d["speed"][cid]
-                     + bytes_up / d["up"][cid])
+        return float(self._took(cid, samples, bytes_down, bytes_up))
+
+    def _took(self, cid, samples, bytes_down: int, bytes_up: int):
+        """The module docstring's formula, for a client (`cid` an int) or all (a slice)."""
+        d = self.devices
+        return (2 * d["latency"][cid] + bytes_down / d["down"][cid] + samples * self.flops / d["speed"][cid]
+                + bytes_up / d["up"][cid])
+
+    def fastest(self, epochs: int, payload_bytes: int) -> tuple[int, float]:
+        """The client whose training call of `epochs` epochs and a payload of `payload_bytes`
+        takes the fewest simulated seconds, and those seconds."""
+        samples = self.steps if self.steps is not None else self.sizes * epochs
+        took = self._took(slice(None), samples, payload_bytes, payload_bytes)
+        c = int(np.argmin(took))
+        return c, float(took[c])
 
     def call(self, cids: list[int], epochs: dict, payload_bytes: int) -> tuple[list[int], dict, dict]:
         """A training call of `cids` starting now: (those whose update is back in time, {the
