@@ -33,6 +33,11 @@ CASES = [(a, {"algorithm": a}) for a in (
     ("scaffold+vgg9-batchnorm", {"algorithm": "scaffold", "model": "vgg9", "model_options.norm": "batch", "rounds": 2}),
 ] + [(a, {"algorithm": a, "partition.test_fraction": 0.2}) for a in (  # personalised: local test splits set
     "fedper", "fedrep", "lg_fedavg", "ditto", "apfl", "fedbabu")] + [
+    # simulated time: who is online, who misses the deadline (world/; run from the repository root)
+    ("fedavg+mobile-deadline-diurnal", {"system.profile": "mobile", "system.deadline": 2.0,
+                                        "system.availability": "diurnal", "system.online_hours": 12}),
+    ("fedavg+traces", {"system.profile": "trace", "system.trace": "examples/device_trace.csv",
+                       "system.availability": "trace", "system.availability_trace": "examples/availability_trace.csv"}),
     ("fedbuff", {"algorithm": "fedbuff", "fedbuff.concurrency": 4, "fedbuff.buffer": 2}),
     ("fedasync", {"algorithm": "fedasync", "fedasync.concurrency": 4, "fedasync.updates_per_round": 2}),
 ]

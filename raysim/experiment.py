@@ -49,6 +49,11 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
         raise ConfigError(f"model={cfg.model!r}{f' ({cfg.algorithm} adapts it)' if own else ''} does not fit dataset "
                           f"{cfg.dataset!r} with inputs {data.input_shape} ({problem}); models that fit: "
                           f"{', '.join(fit) or 'none'}")
+    if algorithm.unshared:  # a personalised method that keeps one part of the model on its clients
+        _check_split(cfg, algorithm, data.input_shape, n_classes)
+    if cfg.system.deadline:
+        _check_deadline(cfg, algorithm.build_model(data.input_shape), data.inputs(data.x_test[:1].copy()),
+                        part.sizes())
     if cfg.local.vectorize or cfg.privacy.mode != "none":
         buffers = [n for n, _ in algorithm.build_model(data.input_shape).named_buffers()]
         if buffers and cfg.local.vectorize:
@@ -67,6 +72,52 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                 raise ConfigError(f"privacy.mode=local: Opacus cannot train model={cfg.model!r} privately: "
                                   f"{'; '.join(problems)}")
     return data, part, n_classes
+
+
+def _weightless_part(model) -> str | None:
+    """'encoder' or 'head' when that part of the model has no weights (mclr's encoder only
+    flattens), else None."""
+    return next((part for part in ("encoder", "head")
+                 if not any(p.numel() for p in getattr(model, part).parameters())), None)
+
+
+def _check_split(cfg: DictConfig, algorithm, input_shape: tuple, n_classes: int) -> None:
+    """A method that shares one part of the model and keeps the other on each client needs a
+    model whose two parts both have weights; else one line naming the models that do."""
+    from raysim.registry import MODELS
+
+    empty = _weightless_part(algorithm.build_model(input_shape))
+    if empty is None:
+        return
+    kept = algorithm.unshared
+    shared = "head" if kept == "encoder" else "encoder"
+    split = [m for m in MODELS.names() if m != cfg.model and _misfit(
+        lambda: build_model(m, input_shape, n_classes), input_shape) is None
+        and _weightless_part(build_model(m, input_shape, n_classes)) is None]
+    raise ConfigError(f"algorithm={cfg.algorithm} shares the model's {shared} and keeps its {kept} on each client, "
+                      f"but model={cfg.model!r} has no {empty} weights (its encoder / head split is all "
+                      f"{'head' if empty == 'encoder' else 'encoder'}): nothing would be "
+                      f"{'shared' if empty == shared else 'kept'}; models with weights in both parts that fit dataset "
+                      f"{cfg.dataset!r}: {', '.join(split) or 'none'}")
+
+
+def _check_deadline(cfg: DictConfig, model, sample, sizes) -> None:
+    """`system.deadline` against the fastest client's simulated seconds for one update (the
+    fewest epochs a client trains, the model's weights as the payload, both ways): a
+    deadline no client can meet is one line, before anything runs."""
+    from raysim.world.clock import Clock, flops_per_sample
+
+    sy, loc = cfg.system, cfg.local
+    clock = Clock(cfg, len(sizes), sizes, flops_per_sample(model, sample))
+    epochs = min(int(loc.epochs), int(sy.straggler_epochs[0]) if sy.stragglers > 0 else int(loc.epochs))
+    payload = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    cid, seconds = clock.fastest(epochs, payload)
+    if seconds > float(sy.deadline):
+        work = (f"{loc.steps} steps of {loc.batch_size} samples" if loc.steps else
+                f"{epochs} epoch{'s' if epochs != 1 else ''} of {int(sizes[cid])} samples")
+        raise ConfigError(f"system.deadline={sy.deadline:g}: no client can send an update back in time; the fastest "
+                          f"(system.profile={sy.profile}), client {cid}, needs {seconds:.3g} simulated seconds for one "
+                          f"({work}, {payload / 1e6:.3g} MB each way); set system.deadline above that")
 
 
 def _misfit(build, input_shape: tuple):
@@ -102,6 +153,9 @@ def describe(cfg: DictConfig, num_clients: int) -> str:
     if sy.stragglers > 0:
         lo, hi = sy.straggler_epochs
         system.append(f"stragglers {sy.stragglers} ({lo}-{hi} epochs)" + (" (no effect: local.steps is set)" if cfg.local.steps else ""))
+    if sy.profile != "none":  # simulated time (world/clock.py)
+        system.append(f"devices {sy.profile}" + (f", round deadline {sy.deadline:g} s" if sy.deadline else "")
+                      + (f", availability {sy.availability}" if sy.availability != "always" else ""))
     parts.append(f"system: {', '.join(system) or 'none'}")
     faults = []
     if fa.kill_fraction > 0:

@@ -230,15 +230,16 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
 
             bar = tqdm(total=info["rounds"], unit="round", dynamic_ncols=True)
             bar.update(info["start_round"] - 1)
+        fields: dict = {}
         for rnd in range(info["start_round"], info["rounds"] + 1):
             row = awaited(server.step.remote(rnd))
             if stop_requested.is_set():
                 raise KeyboardInterrupt
-            if bar is not None:
-                if row.get("personal_accuracy") is not None:  # a personalised run: the clients' own models
-                    bar.set_postfix(own=f"{row['personal_accuracy']:.4f}", refresh=False)
-                elif row.get("accuracy") is not None:
-                    bar.set_postfix(acc=f"{row['accuracy']:.4f}", refresh=False)
+            for line in row.get("warnings", ()):  # once per run each (server._round_warnings)
+                (bar.write if bar is not None else print)(f"warning: {line}", file=sys.stderr)
+            if bar is not None:  # the last accuracy stays until the next evaluation
+                fields = {**{k: v for k, v in fields.items() if k != "dropped"}, **progress_fields(row)}
+                bar.set_postfix(fields, refresh=False)
                 bar.update(1)
         summary = awaited(server.finish.remote())
         keep = True
@@ -270,6 +271,19 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         if bar is not None:
             bar.close()
         servers.give_back(server, keep and reuse, cfg.plugins)
+
+
+def progress_fields(row: dict) -> dict:
+    """The progress bar's fields after a round: its accuracy (a personalised run's: the
+    clients' own models, `own`), and `dropped=all` when no update arrived."""
+    out = {}
+    if row.get("personal_accuracy") is not None:
+        out["own"] = f"{row['personal_accuracy']:.4f}"
+    elif row.get("accuracy") is not None:
+        out["acc"] = f"{row['accuracy']:.4f}"
+    if row.get("clients") and row.get("dropped") == row["clients"]:
+        out["dropped"] = "all"
+    return out
 
 
 def store_size_for_this_machine(data_bytes: int, store_bytes: float):

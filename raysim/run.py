@@ -190,6 +190,10 @@ def _main(args, say, t_start: float) -> int:
             best = f"{next(iter(after))} after training; the rounds' {best}"
         print(f"final accuracy {acc:.4f}{f' ({best})' if after else f', {best}'}{on_clients}, "
               f"{summary['wall_seconds']:.1f} s")
+    empty = summary.get("rounds_without_updates")
+    if empty:  # the model did not move in those rounds: the accuracy above may be the untrained model's
+        print(f"note: {empty} of {summary['rounds']} rounds had no update (every selected client dropped: "
+              "log.txt says why)")
     print(f"results: {summary['run_dir']}")
     return 0
 

@@ -170,7 +170,7 @@ def test_fedbabu_never_trains_the_head_and_fine_tunes_it_for_evaluation():
 
 
 def test_fine_tuned_evaluation_trains_from_the_served_model_on_the_clients_data_and_leaves_its_state():
-    s = server_for("scaffold", "eval.finetune_epochs=1")
+    s = server_for("scaffold", "eval.finetune_epochs=1", "partition.test_fraction=0.2")
     s.round(1)
     before = {c: dict(st) for c, st in s.states.items()}
     w = cpu_state(s.algorithm.model)

@@ -156,6 +156,7 @@ class FederatedServer:
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, self.num_classes)
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
         self._selected: Optional[list[int]] = None  # the last cohort select_clients returned
+        self._warned: set[str] = set()  # the kinds of round warnings said so far (_round_warnings)
         self._select_seconds = 0.0  # this round's, see step()
         # the clients there in the first round this process runs (a resumed run: after its checkpoint)
         self.selection.available = self.availability.available(ckpt["round"] + 1 if ckpt else 1)
@@ -312,6 +313,7 @@ class FederatedServer:
             "aggregate_seconds": max(0.0, t_train - sum(timing.values())),
             "eval_seconds": time.time() - t0 - t_train,
         })
+        warnings = self._round_warnings(rnd, there, calls)
         for cid, acc in evaluated.items():
             record.client(rnd, cid, "evaluate", "ok", accuracy=acc, num_samples=int(self.local_tests.sizes[cid]))
         for cid, acc in personal_accuracy.items():
@@ -320,7 +322,39 @@ class FederatedServer:
         every = int(self.cfg.checkpoint_every)
         if every and (rnd % every == 0 or rnd == int(self.cfg.rounds)):
             self._checkpoint(rnd)
-        return row
+        return {**row, "warnings": warnings} if warnings else row
+
+    def _round_warnings(self, rnd: int, there: list, calls: list[dict]) -> list[str]:
+        """What a user must hear of round `rnd` although the run goes on: every training call
+        dropped (no update arrived: said in log.txt each time), fewer clients online or there
+        than `clients_per_round` (the row's `available` says how many, each round). Each kind
+        is also returned once per run, for the command to print as a `warning:` line."""
+        said = []
+        train = [r for r in calls if r["method"] == "client_update"]
+        if self.flight is None and train and not any(r["status"] == "ok" for r in train):
+            why = {}
+            for r in train:
+                why[r["reason"]] = why.get(r["reason"], 0) + 1
+            line = (f"round {rnd}: no update arrived: all {len(train)} selected clients were dropped ("
+                    + ", ".join(f"{n} {reason}" for reason, n in sorted(why.items())) + ")"
+                    + (f"; system.deadline={self.cfg.system.deadline:g} s is shorter than their updates"
+                       if "deadline" in why else ""))
+            self.record.log(line)
+            said.append(("dropped", line))
+        asked = clients_per_round(self.cfg)
+        if self.flight is None and len(there) < asked:
+            where = "online" if self.cfg.system.availability != "always" else "there (clients.join)"
+            said.append(("fewer", f"round {rnd}: {len(there)} client{'s' if len(there) != 1 else ''} {where}, "
+                                  f"fewer than clients_per_round={asked}: the round trains those; metrics.parquet's "
+                                  "`available` has each round's count"))
+        out = []
+        for kind, line in said:
+            if kind not in self._warned:
+                self._warned.add(kind)
+                out.append(line + (" (said once; log.txt has every such round)" if kind == "dropped" else " (said once)"))
+                if kind != "dropped":
+                    self.record.log(f"warning: {line}")
+        return out
 
     def _check_finite(self, rnd: int, extra: dict, models: dict) -> None:
         """Stop the run when the round's loss or any weight of a model is NaN or infinite:
@@ -378,6 +412,9 @@ class FederatedServer:
     # ------------------------------------------------------------------ the end
     def finish(self) -> dict:
         summary = {**self.record.summary(), "status": "finished"}
+        empty = sum(1 for r in self.record.writer.rows if r.get("clients") and r.get("dropped") == r["clients"])
+        if empty and self.flight is None:
+            summary["rounds_without_updates"] = empty
         if self.clock is not None:
             summary.update(self.clock.summary(self.record.writer.rows, self.cfg.system.target_accuracy))
         summary.update(self._after_training(summary["final_accuracy"]))
