@@ -11,6 +11,8 @@ row by row, streaming, only to name the first bad row in a one-line `ConfigError
 from __future__ import annotations
 
 import csv
+import functools
+import os
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -88,9 +90,25 @@ def _first_bad(key: str, path: str, header: tuple, ok: Callable[[list[float]], b
             raise ConfigError(f"{key}={path}, row {i}: {','.join(row)[:80]!r} is not {','.join(header)} ({rule})")
 
 
+def _stamp(path: str) -> tuple:
+    """(the file, its modification time, its size): what says it is the one read before."""
+    try:
+        st = os.stat(Path(path).expanduser())
+        return str(Path(path).expanduser().resolve()), st.st_mtime_ns, st.st_size
+    except OSError:
+        return None
+
+
 def read_devices(path: str) -> dict[str, np.ndarray]:
     """A device trace (clock.py): {speed (FLOP/s), down, up (bytes/s), latency (s)}, one
-    entry per row, or a ConfigError naming the file and the first bad row."""
+    entry per row, or a ConfigError naming the file and the first bad row. Kept for the
+    next call in this process while the file is unchanged (the run's checks and its clock
+    read it once); the arrays are read-only."""
+    return _devices(str(path), _stamp(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _devices(path: str, stamp) -> dict[str, np.ndarray]:
     key = "system.trace"
     rule = ("gflops, down_mbps and up_mbps > 0: a device without compute or bandwidth never finishes an update; "
             "latency_s >= 0")
@@ -104,7 +122,10 @@ def read_devices(path: str) -> dict[str, np.ndarray]:
         a = np.array([[float(x) for x in row] for _, row in rows(key, path, DEVICE_COLUMNS)]).reshape(-1, 4)
     if not len(a):
         raise ConfigError(f"{key}={path}: no device rows after the header")
-    return {"speed": a[:, 0] * 1e9, "down": a[:, 1] * MBIT, "up": a[:, 2] * MBIT, "latency": a[:, 3]}
+    out = {"speed": a[:, 0] * 1e9, "down": a[:, 1] * MBIT, "up": a[:, 2] * MBIT, "latency": a[:, 3].copy()}
+    for v in out.values():
+        v.flags.writeable = False
+    return out
 
 
 class Intervals:
@@ -152,7 +173,12 @@ class Intervals:
 
 def read_intervals(path: str) -> Intervals:
     """An availability trace (online.py), or a ConfigError naming the file and the first bad
-    row, or the client whose intervals overlap and where."""
+    row, or the client whose intervals overlap and where. Kept as `read_devices` keeps its."""
+    return _intervals(str(path), _stamp(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _intervals(path: str, stamp) -> Intervals:
     key = "system.availability_trace"
     rule = "a client id >= 0, then 0 <= start < end seconds"
 
@@ -176,4 +202,7 @@ def read_intervals(path: str) -> Intervals:
         raise ConfigError(f"{key}={path}: client {client[i]}'s intervals overlap ([{start[i]:g}, {end[i]:g}) and "
                           f"[{start[i + 1]:g}, {end[i + 1]:g})); merge them into one row")
     first = np.flatnonzero(np.r_[True, ~same])
-    return Intervals(client[first], np.r_[first, len(client)], start, end)
+    out = Intervals(client[first], np.r_[first, len(client)], start, end)
+    for v in (out.ids, out.offset, out.start, out.end):
+        v.flags.writeable = False
+    return out
