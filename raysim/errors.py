@@ -21,6 +21,11 @@ class RunStalled(RunDiverged):
     long enough for its update to arrive; the message is one line."""
 
 
+class ActorsLost(RunDiverged):
+    """Every client actor was lost and none came back (a cluster that lost its workers): the
+    round cannot finish; the message is one line."""
+
+
 class WriteFailed(Exception):
     """A run file could not be written (no space left, quota, I/O error); the message is one
     line naming the file and the last checkpoint a resume can start from."""

@@ -95,18 +95,23 @@ def test_resume_extends_a_finished_run(ray_local, tmp_path):
     assert "rounds: 5" in (tmp_path / "short" / "config.yaml").read_text()
 
 
-def test_fault_injection_kills_actors_and_the_run_goes_on(ray_local, tmp_path):
-    assert main(["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=4",
-                 "resources.clients_per_actor=3", "faults.kill_fraction=0.5", "faults.kill_rounds=[2]",
-                 f"output_dir={tmp_path}", "run_name=faults", "--quiet"]) == 0
+def test_fault_injection_kills_actors_and_the_run_ends_with_the_same_model(ray_local, tmp_path):
+    """Half the client actors die in round 2: their calls are redone on the others within
+    the round, and the model is the one of the run without faults."""
+    common = ["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=4",
+              "resources.clients_per_actor=3", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "faults.kill_fraction=0.5", "faults.kill_rounds=[2]", "run_name=faults"]) == 0
+    assert main([*common, "run_name=clean"]) == 0
     d = tmp_path / "faults"
     rows = pq.read_table(d / "clients.parquet").to_pylist()
-    dropped = sorted((r["round"], r["cid"]) for r in rows if r["status"] == "dropped")
-    assert len(dropped) == 6 and {rnd for rnd, _ in dropped} == {2}  # 2 of 4 actors x 3 clients each
-    assert all(r["reason"] == "actor_died" for r in rows if r["status"] == "dropped")
+    assert not [r for r in rows if r["status"] == "dropped"]
+    redone = sorted((r["round"], r["cid"]) for r in rows if r["redone"])
+    assert len(redone) == 6 and {rnd for rnd, _ in redone} == {2}  # 2 of 4 actors x 3 clients each
     m = pq.read_table(d / "metrics.parquet").to_pylist()
-    assert [r["dropped"] for r in m] == [0, 6, 0, 0]  # the killed actors came back for round 3
+    assert [r["dropped"] for r in m] == [0, 0, 0, 0]
     assert "fault injection kills client actors" in (d / "log.txt").read_text()
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("faults", "clean"))
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
 
 
 def test_stateful_algorithm_with_fedentopt_and_stragglers_resumes_exactly(ray_local, tmp_path):

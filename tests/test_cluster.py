@@ -55,6 +55,16 @@ def _kill_marked(marker: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    yield from _two_nodes({})
+
+
+@pytest.fixture()
+def two_nodes_one_to_lose():
+    """A fresh cluster whose worker node's processes have RAYSIM_TEST_LOSE_HOST=1."""
+    yield from _two_nodes({"RAYSIM_TEST_LOSE_HOST": "1"})
+
+
+def _two_nodes(worker_env: dict):
     marker = secrets.token_hex(8)
     temp = tempfile.mkdtemp(prefix="rs2n", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAYSIM_TEST_CLUSTER=marker, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
@@ -69,7 +79,7 @@ def two_nodes():
                        env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([*start, f"--address=127.0.0.1:{gcs}", '--resources={"worker_node": 1}',
                         f"--metrics-export-port={m_worker}", f"--dashboard-agent-listen-port={a_worker}"],
-                       env=env, check=True, capture_output=True, timeout=120)
+                       env={**env, **worker_env}, check=True, capture_output=True, timeout=120)
         yield {"address": f"127.0.0.1:{gcs}", "env": env, "metrics_ports": [m_head, m_worker]}
     finally:
         _kill_marked(marker)
@@ -162,3 +172,32 @@ def test_actors_a_cluster_cannot_place_stop_the_run_after_the_placement_timeout(
         "resources.placement_timeout=4 s" in lines[0], r.stderr
     assert time.time() - t0 < 120  # bounded, not Ray's forever
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_host_lost_mid_round_changes_no_result(ray_local, two_nodes_one_to_lose, tmp_path):
+    """Four actors, two on each node; in round 2 the worker node's raylet is killed from
+    inside a client's training (tests/support: `test_loses_its_host`), and every actor there
+    dies with it. Their calls are made again on the head's actors within round 2 (`redone`,
+    nothing dropped), the lost actors, which no node has room to restart, are not waited
+    for, and the model is the one-node run's without any loss, bit for bit."""
+    cluster = two_nodes_one_to_lose
+    run = ["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=4", "local.epochs=1",
+           "local.batch_size=16", "resources.num_actors=4", "resources.num_cpus_per_actor=1",
+           "plugins=[stateful_plugin]", "algorithm=test_loses_its_host", f"output_dir={tmp_path}", "--quiet"]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *run, f"ray.address={cluster['address']}",
+                        "run_name=lost"], env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = tmp_path / "lost"
+    rows = [c for c in __import__("pyarrow.parquet").parquet.read_table(d / "clients.parquet").to_pylist()
+            if c["method"] == "client_update"]
+    assert not [c for c in rows if c["status"] != "ok"]
+    redone = sorted(c["cid"] for c in rows if c["redone"])
+    assert redone and len(redone) == 6 and {c["round"] for c in rows if c["redone"]} == {2}, redone  # 2 actors x 3
+    log = (d / "log.txt").read_text()
+    assert re.search(r"round 2: client actors? .*lost the call of clients \[.*\]; redone on actor \d", log), log
+    summary = json.loads((d / "summary.json").read_text())
+    assert len(summary["client_actor_nodes"]) == 1, summary  # the live actors, all on the head now
+    assert main([*run, "resources.num_actors=1", "run_name=one"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("lost", "one"))
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -1,5 +1,6 @@
 """The Ray runtime end to end: real local Ray, real client actors, real torch training."""
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -77,18 +78,26 @@ def test_one_actor_per_client_gives_the_same_model(ray_local, tmp_path):
     assert all(torch.equal(m1["global"][k], m4["global"][k]) for k in m1["global"])
 
 
-def test_killed_actor_is_a_dropout_and_the_run_finishes(ray_local, tmp_path):
-    d, s = run(tmp_path, "crash", "participation=1.0", "rounds=4", "resources.clients_per_actor=4",
-               "faults.crash_round=2", "faults.crash_client=5")
-    assert s["rounds"] == 4
-    rows = pq.read_table(d / "clients.parquet").to_pylist()
-    dropped = {(r["round"], r["cid"]) for r in rows if r["status"] == "dropped"}
-    assert (2, 5) in dropped
-    assert all(rnd == 2 for rnd, _ in dropped)  # the actor came back for rounds 3 and 4
-    assert len(dropped) == 4  # the whole task of that actor: clients 4..7
-    m = pq.read_table(d / "metrics.parquet").to_pylist()
-    assert [r["dropped"] for r in m] == [0, 4, 0, 0]
-    assert "lost clients [4, 5, 6, 7]" in (d / "log.txt").read_text()
+def test_a_client_actor_killed_mid_round_is_redone_and_changes_nothing(ray_local, tmp_path):
+    """The actor training client 5 in round 2 dies (the OOM killer's case): its call (clients
+    4..7) is made again on another actor within round 2, recorded as `redone`, not dropped,
+    and the run ends with the model of the same run without the crash, bit for bit. A
+    stateful algorithm (SCAFFOLD's client variates) too."""
+    for algorithm in ("fedavg", "scaffold"):
+        common = [f"algorithm={algorithm}", "participation=1.0", "rounds=4", "resources.clients_per_actor=4"]
+        d, s = run(tmp_path, f"crash-{algorithm}", *common, "faults.crash_round=2", "faults.crash_client=5")
+        clean, _ = run(tmp_path, f"clean-{algorithm}", *common)
+        assert s["rounds"] == 4
+        rows = pq.read_table(d / "clients.parquet").to_pylist()
+        assert not [r for r in rows if r["status"] == "dropped"]
+        assert sorted(r["cid"] for r in rows if r["redone"]) == [4, 5, 6, 7]
+        assert all(r["round"] == 2 and r["status"] == "ok" for r in rows if r["redone"])
+        assert [r["dropped"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [0, 0, 0, 0]
+        log = (d / "log.txt").read_text()
+        assert re.search(r"round 2: client actor 1 \(Actor\w*Error, on node \w{8} at [\d.]+\) lost the call of "
+                         r"clients \[4, 5, 6, 7\]; redone on actor [02], on node \w{8} at [\d.]+ in [\d.]+ s", log), log
+        a, b = (torch.load(x / "model.pt", weights_only=True) for x in (d, clean))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])), algorithm
 
 
 def test_client_state_persists_between_rounds_across_actors(ray_local, tmp_path):
@@ -116,8 +125,8 @@ def test_results_command_prints_summary_and_plots(ray_local, tmp_path):
 
 
 def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_path):
-    """Ray restarts an actor that died while idle; its next call finds no data, which drops
-    that call's clients once, and the data is sent again with the following call."""
+    """Ray restarts an actor that died while idle; its next call finds no data, so the call
+    is made again on it with the data: no client is dropped, the call's clients are `redone`."""
     import os
     import time
 
@@ -143,8 +152,11 @@ def test_actor_killed_between_rounds_comes_back_with_its_data(ray_local, tmp_pat
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             time.sleep(0.2)
-    assert server.step(2)["dropped"] == 6  # clients 0-5 reached the restarted actor without data
-    assert server.step(3)["dropped"] == 0  # ... which got the data with this call
+    assert server.step(2)["dropped"] == 0  # clients 0-5 reached the restarted actor without data: redone
+    log = (tmp_path / "idle" / "log.txt").read_text()
+    assert re.search(r"round 2: client actor 0 \(restarted without its data, on node \w{8} at [\d.]+\) lost the call of "
+                     r"clients \[0, 1, 2, 3, 4, 5\]; redone on actor 0", log), log
+    assert server.step(3)["dropped"] == 0
     server.finish()
 
 

@@ -137,8 +137,10 @@ class SystemConfig:
 
 @dataclass
 class FaultsConfig:
-    """Fault injection for tests, drills and research on unreliable clients. Every death is
-    a real one: the client actor's process exits (`os._exit`) and Ray restarts it."""
+    """Fault injection for tests and drills of the infrastructure. Every death is a real
+    one: the client actor's process exits (`os._exit`), its calls are made again on the
+    other actors (no result changes: runtime/dispatch.py) and Ray restarts it. Clients that
+    fail as clients do: `system.dropout`."""
 
     crash_round: int = -1  # with crash_client: the actor training this client in this round dies
     crash_client: int = -1

@@ -75,6 +75,7 @@ class ClientRunner:
         self.num_classes = num_classes
         self.seed = int(self.cfg.seed)  # read once: an OmegaConf lookup costs ~25 us, per client adds up
         self.crash = (int(self.cfg.faults.crash_round), int(self.cfg.faults.crash_client))
+        self.redo = False  # run(redo=True): a lost call made again; an injected crash does not strike twice
         self.pixels = (pixel_max, norm)  # images stay uint8 here; a client's shard is decoded when it trains
         self.plugins = {
             "algorithm": ALGORITHMS.get(self.cfg.algorithm)(self.cfg, num_classes, shape),
@@ -85,7 +86,8 @@ class ClientRunner:
         self.adversaries = Adversaries(self.cfg, int(self.cfg.num_clients))  # attack.* (raysim/attacks.py)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
-            group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload, *states):
+            group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload, *states,
+            redo: bool = False):
         """Run `on.method(client, payload)` for each client in order, or, `vectorized`
         (`local.vectorize`), `client_update_cohort` once per block of `cids` (`blocks`: the
         sizes of consecutive blocks, placed whole). With `sums` (`server.partial_sums`), each
@@ -96,11 +98,14 @@ class ClientRunner:
         `client_state = True`, then each client's new state as its own object (see
         `Dispatch.run`, runtime/dispatch.py). `data` = (config, [train arrays ref, train index ref],
         num_classes, normalisation, pixel_max) on a run's first call to this actor and the first after a
-        restart, else None: references cost a little on every call that carries them."""
+        restart, else None: references cost a little on every call that carries them. `redo`:
+        the call again, after the actor that had it was lost (`faults.crash_*` does not strike
+        twice)."""
         if data is not None:
             self._attach(*data)
         elif self.x is None:
             raise DataNotAttached("client actor has no data (restarted since its last call)")
+        self.redo = redo
         plugin = self.plugins[on]
         stateful = bool(plugin.client_state)
         states = states if stateful else [None] * len(cids)
@@ -149,7 +154,7 @@ class ClientRunner:
                 y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None) -> Client:
         """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it; `raw`:
         its inputs read ahead from files), its generator seeded from (seed, round, cid)."""
-        if (rnd, cid) == self.crash:
+        if (rnd, cid) == self.crash and not self.redo:
             os._exit(1)  # injected fault: this worker process dies mid-round
         if x is None:
             x, y = self._rows(np.asarray(self.train_index[cid]), raw)
@@ -200,6 +205,7 @@ class ClientRunner:
 
     def device_info(self) -> dict:
         info = {"device": str(self.device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(),
                 **determinism.settings()}
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()

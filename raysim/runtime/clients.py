@@ -24,8 +24,8 @@ class ClientActor:
 
         self.runner = ClientRunner()
 
-    def run(self, *args):
-        return self.runner.run(*args)
+    def run(self, *args, **kwargs):
+        return self.runner.run(*args, **kwargs)
 
     def die(self) -> None:
         self.runner.die()

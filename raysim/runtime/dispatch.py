@@ -11,12 +11,18 @@ once, then, per call of `run`:
   and the fold order never depends on which actor finishes first;
 - keeps each stateful client's state as an object-store reference (any actor can run any
   client; the state outlives the actor that wrote it);
-- turns an actor that died into dropped clients for this call (recorded); Ray restarts the
-  actor, which maps its data again on its next call;
+- makes a call again when its actor was lost (its process or its host died, or it came
+  back restarted without its data): the same clients, epochs, payload and states, on the
+  next actor that answers, within the same round and in the same client-id order of the
+  fold, so a lost actor changes no result (`redone` in the clients table, a line in log.txt;
+  an infrastructure fault is not a client's behaviour: `system.dropout` simulates those).
+  Ray restarts the lost actor, which maps its data again on its next call; with no actor
+  left, `ActorsLost` stops the run;
 - injects the faults of `faults.*` (an actor's process really exits).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterator, Optional
 
@@ -25,16 +31,38 @@ import ray
 
 from raysim.config import sum_block
 from raysim.contract import ClientResult
+from raysim.errors import ActorsLost
 from raysim.runtime import placement, pool
 from raysim.runtime.client_actor import DataNotAttached
 from raysim.runtime.clients import describe as describe_needs, start_client_actors
 from raysim.runtime.wire import pack, unpack
 from raysim.training import nbytes
 
+@dataclasses.dataclass
+class Call:
+    """One task of a call: actor `actor` runs `chunk` with `args` (ClientRunner.run's after
+    its data), `n_groups` result objects then `n_states` states; `refs` its object refs. `redone`:
+    made again after the actor that had it was lost."""
+    actor: int
+    chunk: list[int]
+    n_groups: int
+    n_states: int
+    args: tuple
+    refs: list
+    redone: bool = False
+
+
+RESTART_WAIT = 120.0  # s: with every client actor lost, how long the run waits for one to come back
+RESTART_POLL = 0.2  # s: how long a call waits to hear whether lost actors are back (the others take their clients)
 FETCH_BYTES = 64 * 2**20
 INLINE_BYTES = 64 * 2**10
 PIPELINE_BYTES = 2**20  # models (payloads) from this size up are worth folding while the actors train
 PIPELINE_TASKS = 4
+
+
+def _why(e: BaseException) -> str:
+    """How a call's actor was lost, in a few words for log.txt."""
+    return "restarted without its data" if isinstance(e, DataNotAttached) else type(e).__name__
 
 
 def pipeline(chunk: list[int], blocks: Optional[list[int]], tasks: int) -> list[list[int]]:
@@ -113,11 +141,11 @@ class Dispatch:
         # size of an update): one object for many small updates, one per client for big ones.
         group = max(1, int(FETCH_BYTES // max(size, 1)))
         calls = []
-        self.await_restarts()
+        live = self.live_actors()  # the actors given work: not those lost and not back yet
         training = method == "client_update"
         faults = self.cfg.faults
         if training and rnd in faults.kill_rounds and self._killed_in != rnd:
-            self._kill_actors(rnd)
+            self._kill_actors(rnd)  # after placement was decided: the victims' calls are lost, then redone
         if training and rnd == faults.crash_round and faults.crash_client not in cids:
             self.record.log(f"round {rnd}: faults.crash_client={faults.crash_client} is not training "
                             "this round (not selected, or dropped out), so no actor crashes")
@@ -126,41 +154,40 @@ class Dispatch:
         # blocks of consecutive clients placed whole: vectorised groups, or partial sums' blocks
         # (one size for both: the config checks), so neither depends on the number of actors
         block = int(self.cfg.local.vectorize_group) if vectorized else self.sum_block if sums else 0
+        if actor is not None and actor % self.n_actors not in live:  # lost: a live one takes its clients
+            actor = live[actor % len(live)]
         placed = ([(actor % self.n_actors, cids, None)] if actor is not None else
-                  placement.plan(cids, work, self.n_actors, self.one_per_client, block))
+                  [(live[i], chunk, blocks) for i, chunk, blocks in
+                   placement.plan(cids, work, len(live), self.one_per_client, block)])
         pieces = [(a, piece, blocks) for a, chunk, blocks in placed
                   for piece in pipeline(chunk, blocks, tasks_per_actor(self.cfg.resources, size))]
         for a, chunk, blocks in pieces:
             states = [self.states.get(c) for c in chunk] if stateful else []
             n_groups = -(-(len(blocks) if sums else len(chunk)) // group)
-            n_returns = n_groups + len(states)
-            data = None if a in self._attached else self.shared
-            self._attached.add(a)
-            got = self.actors[a].run.options(num_returns=n_returns).remote(
-                data, rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
-                *states)
-            got = [got] if n_returns == 1 else list(got)
-            calls.append((a, chunk, got[:n_groups], got[n_groups:]))
+            args = (rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
+                    *states)
+            calls.append(Call(a, chunk, n_groups, len(states), args, self._submit(a, args, n_groups + len(states))))
         self.seconds["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs)
 
+    def _submit(self, a: int, args: tuple, n_returns: int, redo: bool = False) -> list:
+        """Actor `a`'s task for `args` (the data references with its first call); its refs."""
+        data = None if a in self._attached else self.shared
+        self._attached.add(a)
+        got = self.actors[a].run.options(num_returns=n_returns).remote(data, *args, redo=redo)
+        return [got] if n_returns == 1 else list(got)
+
     def _collect(self, rnd: int, method: str, calls: list, epochs: dict) -> Iterator[ClientResult]:
-        for a, chunk, group_refs, state_refs in calls:
-            results = []
+        for call in calls:
+            a, chunk = call.actor, call.chunk
             t0 = time.perf_counter()
             try:
-                results = ray.get(group_refs[0])  # all of a task's objects arrive together
+                results = ray.get(call.refs[0])  # all of a task's objects arrive together
             except (ray.exceptions.RayActorError, DataNotAttached) as e:
-                # died now, or was restarted unseen (no data): either way, data on its next call
-                self._attached.discard(a)
-                if isinstance(e, ray.exceptions.RayActorError):
-                    self._restarting.add(a)
-                for c in chunk:
-                    self.record.client(rnd, c, method, "dropped", reason="actor_died", epochs=epochs[c])
-                self.record.log(f"round {rnd}: actor {a} lost clients {chunk}: {type(e).__name__}; dropped")
-                continue
+                a, results = self._redo(call, e)
             finally:
                 self.seconds["train"] += time.perf_counter() - t0
+            group_refs, state_refs = call.refs[:call.n_groups], call.refs[call.n_groups:]
             next_group, j = 1, 0  # j: the position in `chunk` of the next client
             while j < len(chunk):
                 if not results:
@@ -174,18 +201,66 @@ class Dispatch:
                     if state_refs and changed:
                         self.states[cid] = state_refs[j]
                     one = result if n is None else ClientResult(cid, n, None, metrics)
-                    self.record.client(rnd, cid, method, "ok", result=one, epochs=epochs[cid])
+                    self.record.client(rnd, cid, method, "ok", result=one, epochs=epochs[cid], redone=call.redone)
                     j += 1
                 if j == len(chunk):
                     self.record.metrics.actor_done(a, len(chunk))
                 yield result
 
+    def _lost(self, a: int, e: BaseException) -> None:
+        """Actor `a`'s call failed with `e`: dead (Ray restarts it; no work until it is back),
+        or restarted unseen (alive, without data): either way, data with its next call."""
+        self._attached.discard(a)
+        if isinstance(e, ray.exceptions.RayActorError):
+            self._restarting.add(a)
+
+    def _redo(self, call: "Call", error: BaseException) -> tuple[int, list]:
+        """Make `call` again after its actor failed with `error`: on the same actor when it
+        is alive but restarted without its data, else on the next live actors in turn, then,
+        when each failed, on the first Ray brings back (`live_actors`). Returns the actor
+        that answered and its first results; `call` then holds that task's refs.
+        `ActorsLost` when none does."""
+        t0 = time.perf_counter()
+        rnd, first = call.args[0], call.actor
+        self._lost(first, error)
+        why = {first: _why(error)}
+        n = self.n_actors
+        order = [first] if isinstance(error, DataNotAttached) else []
+        order += [(first + i) % n for i in range(1, n) if (first + i) % n not in self._restarting]
+        for attempt in (0, 1):
+            if attempt:  # every actor failed once: wait for those Ray restarts
+                order = self.live_actors()
+            for b in order:
+                call.refs = self._submit(b, call.args, call.n_groups + call.n_states, redo=True)
+                try:
+                    results = ray.get(call.refs[0])
+                except (ray.exceptions.RayActorError, DataNotAttached) as e:
+                    self._lost(b, e)
+                    why[b] = _why(e)
+                    continue
+                call.actor, call.redone = b, True
+                lost = ", ".join(f"{x} ({w}{self._where(x)})" for x, w in why.items())
+                self.record.log(f"round {rnd}: client actor{'s' if len(why) > 1 else ''} {lost} lost the call of "
+                                f"clients {call.chunk}; redone on actor {b}{self._where(b)} in "
+                                f"{time.perf_counter() - t0:.2f} s")
+                return b, results
+        raise ActorsLost(f"every client actor was lost ({', '.join(f'{x}: {w}' for x, w in why.items())}) and none "
+                         f"came back within {RESTART_WAIT:g} s, so clients {call.chunk} cannot train")
+
+    def _where(self, a: int) -> str:
+        """', on node <id> at <address>' where actor `a` was last seen (its start-up answer), or ''."""
+        try:
+            info = ray.get(self._ready[a], timeout=0)
+        except Exception:  # not known: it died before answering
+            return ""
+        return f", on node {info['node_id'][:8]} at {info.get('node_ip', '?')}"
+
     # ------------------------------------------------------------------ faults and restarts
     def _kill_actors(self, rnd: int) -> None:
         """Fault injection: `faults.kill_fraction` of the client actors, drawn from (seed,
         round), exit their processes now (at least one: a fraction that rounds to zero
-        actors still kills one); their clients this round are recorded as dropped and Ray
-        restarts them for the next round."""
+        actors still kills one), after this call's placement: their calls are lost and made
+        again on the others (`redone`), and Ray restarts them."""
         self._killed_in = rnd
         n = max(1, int(round(float(self.cfg.faults.kill_fraction) * self.n_actors)))
         victims = sorted(np.random.default_rng([int(self.cfg.seed), rnd, 5]).choice(
@@ -196,19 +271,36 @@ class Dispatch:
             self._restarting.add(a)
         self.record.log(f"round {rnd}: fault injection kills client actors {victims}")
 
-    def await_restarts(self, timeout: float = 120.0) -> None:
-        """Wait for actors that died to come back (Ray restarts them) before giving them
-        work again; one that stays down keeps dropping its clients."""
-        for a in sorted(self._restarting):
-            deadline = time.time() + timeout
-            while time.time() < deadline:
+    def live_actors(self) -> list[int]:
+        """The actors to give work to: all but those lost and not back. Lost ones are asked
+        whether Ray has restarted them (briefly: one whose host is gone may never come
+        back, and the others can take its clients, which changes no result); when every
+        actor is lost, the first to come back is waited for, up to `RESTART_WAIT` s."""
+        if self._restarting:
+            everyone = len(self._restarting) == self.n_actors
+            asked = {self.actors[a].device_info.remote(): a for a in sorted(self._restarting)}
+            ready, _ = ray.wait(list(asked), num_returns=1 if everyone else len(asked),
+                                timeout=RESTART_WAIT if everyone else RESTART_POLL)
+            if everyone and ready:  # the others may be back by now too
+                ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=RESTART_POLL)
+            for ref in ready:
                 try:
-                    ray.get(self.actors[a].device_info.remote(), timeout=max(0.1, deadline - time.time()))
-                    self._restarting.discard(a)
-                    self.record.log(f"client actor {a} is back")
-                    break
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    time.sleep(0.2)
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    continue
+                self._restarting.discard(asked[ref])
+                if self.record is not None:
+                    self.record.log(f"client actor {asked[ref]} is back{self._where(asked[ref])}")
+        return [a for a in range(self.n_actors) if a not in self._restarting]
+
+    def await_restarts(self, timeout: float = 10.0) -> None:
+        """Give actors lost in the last round up to `timeout` s to come back (the end of a
+        run, before asking where they run)."""
+        deadline = time.time() + timeout
+        while self._restarting and time.time() < deadline:
+            self.live_actors()
+            if self._restarting:
+                time.sleep(0.2)
 
     # ------------------------------------------------------------------ checkpoints
     def client_states(self) -> dict[int, Any]:
@@ -223,13 +315,18 @@ class Dispatch:
 
     # ------------------------------------------------------------------ the actors' end
     def actor_info(self) -> list[dict]:
-        return ray.get([a.device_info.remote() for a in self.actors])
+        """Where each live actor runs (one lost with its host may never answer)."""
+        return ray.get([self.actors[a].device_info.remote() for a in self.live_actors()])
 
     def release(self) -> None:
         """Leave the client actors to the next run of this Ray session (`ray.reuse_workers`),
         or stop them."""
         if self.cfg.ray.reuse_workers:
-            pool.keep_client_actors(self.actor_key, self.actors)
+            live = self.live_actors()  # the lost ones are not worth keeping: stopped
+            for a in range(self.n_actors):
+                if a not in live:
+                    ray.kill(self.actors[a])
+            pool.keep_client_actors(self.actor_key, [self.actors[a] for a in live])
             self.actors = []
         else:
             self.stop()

@@ -48,10 +48,11 @@ class RunRecord:
 
     def client(self, rnd: int, cid: int, method: str, status: str, reason: Optional[str] = None,
                result: Optional[ClientResult] = None, epochs: Optional[int] = None,
-               accuracy: Optional[float] = None, num_samples: Optional[int] = None) -> None:
+               accuracy: Optional[float] = None, num_samples: Optional[int] = None, redone: bool = False) -> None:
         """One row of the clients table: a call to a client (training, or another method),
         a join, or (method `evaluate`) its accuracy on its local test data. A training call's
-        simulated seconds (`sim_seconds`, world/clock.py) come from the round's clock."""
+        simulated seconds (`sim_seconds`, world/clock.py) come from the round's clock.
+        `redone`: the call was made again on another actor after its actor was lost."""
         m = result.metrics if result is not None else {}
         if result is not None:
             self.client_updates += 1
@@ -61,7 +62,7 @@ class RunRecord:
             "round": rnd, "cid": cid, "method": method, "status": status, "reason": reason,
             "num_samples": num_samples, "epochs": epochs, "straggler": cid in self.stragglers,
             "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy,
-            "attacker": self.attacking(cid, rnd, method),
+            "attacker": self.attacking(cid, rnd, method), "redone": redone,
             **({"sim_seconds": self.sim_seconds.get(cid)} if self.sim_seconds and method == "client_update" else {})})
 
     def new_round(self) -> None:

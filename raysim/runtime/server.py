@@ -33,7 +33,7 @@ from raysim.config import ConfigError, clients_per_round, resolve, run_record
 from raysim.data import store
 from raysim.data.long_tail import shot_accuracy, shot_groups
 from raysim.data.partition import label_counts, label_entropy
-from raysim.errors import RunDiverged
+from raysim.errors import ActorsLost, RunDiverged
 from raysim.preflight import run_dir_for
 from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
@@ -254,7 +254,13 @@ class FederatedServer:
         if self.secagg is not None:
             self.secagg.metrics = {}
         sim_start = self.clock.now if self.clock is not None else None
-        extra = self.algorithm.run_round(rnd, self) or {}
+        try:
+            extra = self.algorithm.run_round(rnd, self) or {}
+        except ActorsLost as e:  # no client actor left to train on (dispatch.py): resume when there are again
+            last = self.record.last_checkpoint
+            self.stop_early(rnd, "actors_lost", ActorsLost, f"{e}. `python -m raysim.run resume={self.run_dir}` "
+                            + (f"continues from its checkpoint of round {last}" if last else
+                               "starts it again (no checkpoint yet: checkpoint_every)"))
         t_train = time.time() - t0
         models = self.algorithm.eval_models()
         self._check_finite(rnd, extra, models)

@@ -66,3 +66,20 @@ class JoinRecorder(FedAvg):
         extra = super().run_round(rnd, server) or {}
         told, self.told = self.told, []
         return {**extra, "told_joined": told}
+
+
+@ALGORITHMS.register("test_loses_its_host")
+class LosesItsHost(FedAvg):
+    """FedAvg whose clients, in round 2, on a node whose processes have
+    RAYSIM_TEST_LOSE_HOST=1 in their environment, kill that node's raylet (a Ray worker's
+    parent) and exit: the host is lost mid-round, with every actor on it. Elsewhere, and in
+    the call made again, it is FedAvg."""
+
+    def client_update(self, client, payload):
+        import os
+        import signal
+
+        if client.round == 2 and os.environ.get("RAYSIM_TEST_LOSE_HOST") == "1":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(1)
+        return super().client_update(client, payload)
