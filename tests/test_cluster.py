@@ -64,14 +64,20 @@ def two_nodes_one_to_lose():
     yield from _two_nodes({"RAYSIM_TEST_LOSE_HOST": "1"})
 
 
-def _two_nodes(worker_env: dict):
+@pytest.fixture()
+def two_nodes_with_gpus():
+    """A fresh cluster whose nodes have 2 logical GPUs each (Ray's resources; no device)."""
+    yield from _two_nodes({}, ["--num-gpus=2"])
+
+
+def _two_nodes(worker_env: dict, more: list = ()):
     marker = secrets.token_hex(8)
     temp = tempfile.mkdtemp(prefix="rs2n", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAYSIM_TEST_CLUSTER=marker, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                RAY_metrics_report_interval_ms="1000")
     env.pop("RAY_ADDRESS", None)
     gcs, client, m_head, m_worker, a_head, a_worker = _free_ports(6)
-    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=2", "--disable-usage-stats"]
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=2", "--disable-usage-stats", *more]
     try:
         subprocess.run([*start, "--head", f"--port={gcs}", "--include-dashboard=false", f"--temp-dir={temp}",
                         f"--ray-client-server-port={client}", '--resources={"head_node": 1}',
@@ -200,4 +206,26 @@ def test_a_host_lost_mid_round_changes_no_result(ray_local, two_nodes_one_to_los
     assert len(summary["client_actor_nodes"]) == 1, summary  # the live actors, all on the head now
     assert main([*run, "resources.num_actors=1", "run_name=one"]) == 0
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("lost", "one"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_logical_gpus_place_eight_quarter_gpu_actors_on_each_host(ray_local, two_nodes_with_gpus, tmp_path):
+    """Hosts started with --num-gpus=2 (logical: this machine has no GPU) and actors of a
+    quarter GPU each: 16 actors, 8 on each host, which summary.json records; the actors see
+    no CUDA device, so they train on the CPU (`client_devices`), and the model is the
+    one-node run's. What only a real GPU cluster shows: docs/cluster.md."""
+    cluster = two_nodes_with_gpus
+    run = ["dataset=digits", "model=mclr", "num_clients=32", "participation=0.5", "rounds=2", "local.epochs=1",
+           "resources.num_gpus_per_actor=0.25", "resources.num_cpus_per_actor=0.25", f"output_dir={tmp_path}", "--quiet"]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *run, f"ray.address={cluster['address']}", "run_name=gpus"],
+                       env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpus" / "summary.json").read_text())
+    assert sorted(summary["client_actor_nodes"].values()) == [8, 8], summary["client_actor_nodes"]
+    assert summary["client_devices"] == ["cpu"]
+    assert "16 client actors (0.25 CPU + 0.25 GPU each)" in (tmp_path / "gpus" / "log.txt").read_text()
+    one = [a for a in run if not a.startswith("resources.")]
+    assert main([*one, "resources.num_actors=2", "run_name=one"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("gpus", "one"))
     assert all(torch.equal(a[k], b[k]) for k in b)
