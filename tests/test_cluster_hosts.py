@@ -67,7 +67,32 @@ def cluster(tmp_path_factory):
             yield info
         finally:
             down = ray_cli("down", "-y", str(path), env=env, timeout=300)
-            info["down"] = down
+            deadline = time.time() + 30  # agents exit shortly after their raylet
+            while True:
+                left = {h.name: _ray_processes(h) for h in hosts.hosts}
+                if not any(left.values()) or time.time() > deadline:
+                    break
+                time.sleep(1)
+        assert down.returncode == 0, (down.stdout + down.stderr)[-2000:]
+        # `ray down` stopped Ray on every host: no raylet, no GCS. (A worker's dashboard and
+        # runtime-env agents were seen to outlive it here, reparented to the host's sshd:
+        # issue 53's notes; the hosts' removal kills them.)
+        stopped = {name: [p for p in procs if "raylet" in p or "gcs_server" in p] for name, procs in left.items()}
+        assert not any(stopped.values()), stopped
+
+
+def _ray_processes(host) -> list[str]:
+    """The names of Ray's processes still running on `host` (its sshd is not one)."""
+    names = []
+    for pid in host.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(k in cmd for k in ("raylet", "gcs_server", "ray::", "dashboard", "monitor.py", "log_monitor")):
+            names.append(cmd[:80])
+    return names
 
 
 def test_ray_up_then_the_docs_commands_run_across_hosts_with_the_one_node_model(ray_local, cluster, tmp_path):
