@@ -110,4 +110,4 @@ def test_ray_up_then_the_docs_commands_run_across_hosts_with_the_one_node_model(
     assert all(torch.equal(a[k], b[k]) for k in b)
     # each host's run directory is its own: only the head (where the command ran) has it
     assert (hosts.hosts[0].folder / "home" / "raysim" / "runs" / "cluster").is_dir()
-    assert not (hosts.hosts[1].folder / "home" / "raysim" / "runs").exists()
+    assert not (hosts.hosts[1].folder / "home" / "raysim" / "runs" / "cluster").exists()
