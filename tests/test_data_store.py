@@ -126,3 +126,22 @@ def test_data_the_disk_has_no_room_for_are_one_line_before_anything_is_written(r
     need = f"the training data need {clients * per_client / 2**30:.1f} GB under {tmp_path / 'arrays'}, whose disk has"
     assert len(err) == 1 and need in err[0] and "GB free" in err[0] and "data_store_dir" in err[0], err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "arrays").exists()
+
+
+def test_a_stored_array_missing_on_this_host_says_which_host_and_what_to_do(tmp_path):
+    """What a worker host that does not share data_store_dir meets (tests/test_cluster_hosts.py
+    saw it): one line naming the file, the host, and the two ways out."""
+    import socket
+
+    import numpy as np
+
+    from raysim.config import ConfigError
+    from raysim.data import store
+
+    files = store.put({"x_train": np.zeros((4, 2), np.float32)}, tmp_path)
+    (Path(files["folder"]) / "x_train.npy").unlink()
+    with pytest.raises(ConfigError) as e:
+        store.open_arrays(files)
+    text = str(e.value)
+    assert f"x_train.npy is not there on host {socket.gethostname()}" in text and "\n" not in text
+    assert "data_store=memory" in text and "shared mount" in text

@@ -188,9 +188,14 @@ def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
         path = Path(manifest["folder"]) / f"{name}.npy"
         try:
             a = np.load(path, mmap_mode="r", allow_pickle=False)
-        except FileNotFoundError:
-            raise _changed(manifest, name, "it is missing (on this node: data_store_dir must be a folder every "
-                                           "node reads)") from None
+        except FileNotFoundError:  # on a cluster: most often a folder this node does not share
+            import socket
+
+            raise ConfigError(f"data_store=files: {path} is not there on host {socket.gethostname()} "
+                              f"({ray_node_ip()}): deleted since raysim wrote it (delete the folder "
+                              f"{manifest['folder']} and run again), or, on a cluster, data_store_dir is not a "
+                              "folder every node reads: name a shared mount, or use data_store=memory (Ray's "
+                              "object store ships the arrays to each node)") from None
         except (OSError, ValueError) as e:
             raise _changed(manifest, name, f"it cannot be read as an array ({str(e).splitlines()[0][:80]})") from None
         if list(a.shape) != entry["shape"] or a.dtype.str != entry["dtype"]:
@@ -198,6 +203,16 @@ def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
                                            f"{entry['shape']}")
         out[name] = a
     return out
+
+
+def ray_node_ip() -> str:
+    """This process's Ray node address, or 'no Ray' (a script's own read)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "no Ray"
+    except Exception:  # an address Ray cannot tell: the message goes without it
+        return "address unknown"
 
 
 def _changed(manifest: dict, name: str, what: str) -> ConfigError:
