@@ -239,7 +239,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
                 (bar.write if bar is not None else print)(f"warning: {line}", file=sys.stderr)
             if bar is not None:  # the last accuracy stays until the next evaluation
                 fields = {**{k: v for k, v in fields.items() if k != "dropped"}, **progress_fields(row)}
-                bar.set_postfix(fields, refresh=False)
+                bar.set_postfix(fields, refresh="dropped" in fields)  # such a round is always shown
                 bar.update(1)
         summary = awaited(server.finish.remote())
         keep = True

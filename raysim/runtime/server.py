@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -319,7 +320,7 @@ class FederatedServer:
             "aggregate_seconds": max(0.0, t_train - sum(timing.values())),
             "eval_seconds": time.time() - t0 - t_train,
         })
-        warnings = self._round_warnings(rnd, there, calls)
+        warnings = self._round_warnings(rnd, row, there, calls)
         for cid, acc in evaluated.items():
             record.client(rnd, cid, "evaluate", "ok", accuracy=acc, num_samples=int(self.local_tests.sizes[cid]))
         for cid, acc in personal_accuracy.items():
@@ -330,18 +331,15 @@ class FederatedServer:
             self._checkpoint(rnd)
         return {**row, "warnings": warnings} if warnings else row
 
-    def _round_warnings(self, rnd: int, there: list, calls: list[dict]) -> list[str]:
+    def _round_warnings(self, rnd: int, row: dict, there: list, calls: list[dict]) -> list[str]:
         """What a user must hear of round `rnd` although the run goes on: every training call
         dropped (no update arrived: said in log.txt each time), fewer clients online or there
         than `clients_per_round` (the row's `available` says how many, each round). Each kind
         is also returned once per run, for the command to print as a `warning:` line."""
         said = []
-        train = [r for r in calls if r["method"] == "client_update"]
-        if self.flight is None and train and not any(r["status"] == "ok" for r in train):
-            why = {}
-            for r in train:
-                why[r["reason"]] = why.get(r["reason"], 0) + 1
-            line = (f"round {rnd}: no update arrived: all {len(train)} selected clients were dropped ("
+        if self.flight is None and row["clients"] and row["dropped"] == row["clients"]:  # as finish() counts them
+            why = Counter(r["reason"] for r in calls)
+            line = (f"round {rnd}: no update arrived: all {len(calls)} selected clients were dropped ("
                     + ", ".join(f"{n} {reason}" for reason, n in sorted(why.items())) + ")"
                     + (f"; system.deadline={self.cfg.system.deadline:g} s is shorter than their updates"
                        if "deadline" in why else ""))
