@@ -145,3 +145,36 @@ def test_a_stored_array_missing_on_this_host_says_which_host_and_what_to_do(tmp_
     text = str(e.value)
     assert f"x_train.npy is not there on host {socket.gethostname()}" in text and "\n" not in text
     assert "data_store=memory" in text and "shared mount" in text
+
+
+def test_a_host_without_the_folder_copies_the_files_from_the_writers_node_checked_block_by_block(ray_local, tmp_path,
+                                                                                                  monkeypatch):
+    """data/replicate.py's copy, over Ray from the node that wrote the files (here this
+    node, into another folder; tests/test_cluster_hosts.py does it across hosts): the same
+    bytes, each block checked, made once; a file changed on the writer's side is one line."""
+    import numpy as np
+
+    from raysim.data import replicate, store
+
+    monkeypatch.setattr(store, "BLOCK", 2**20)  # several blocks, and pieces of a quarter block
+    monkeypatch.setattr(replicate, "PIECE", 2**18)
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.integers(0, 255, (5000, 700), dtype=np.uint8), "y_train": np.arange(5000)}
+    manifest = {**store.put(arrays, tmp_path / "head"), "node": ray_local.get_runtime_context().get_node_id()}
+    name = Path(manifest["folder"]).name
+    entries = {n: e for n, e in manifest["arrays"].items()}
+    assert len(entries["x_train"]["blocks"]) == 4  # 3.5 MB in 1 MB blocks
+    local = replicate._copy(manifest, entries, tmp_path / "worker")
+    assert local["folder"] == str((tmp_path / "worker" / name).resolve())
+    got = store.open_arrays(store.find(tmp_path / "worker", name))
+    assert all(np.array_equal(got[k], arrays[k]) for k in arrays)
+    assert not [p for p in (tmp_path / "worker").iterdir() if p.name.startswith(f".{name}-")]  # no temporary left
+    # the writer's file changed since: the copy is refused, and none is left half-made
+    with open(Path(manifest["folder"]) / "x_train.npy", "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"x" * 10)
+    from raysim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no longer holds what raysim wrote"):
+        replicate._copy(manifest, entries, tmp_path / "again")
+    assert not list((tmp_path / "again").iterdir())

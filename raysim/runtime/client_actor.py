@@ -60,8 +60,9 @@ class ClientRunner:
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = ray.get(data_refs)
         if "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
-            from raysim.data import store
+            from raysim.data import replicate, store
 
+            arrays = replicate.on_this_host(arrays)  # copied here first if this host does not see the folder
             self.x = store.Rows(arrays, "x_train")
             self.y = torch.from_numpy(np.array(store.open_arrays(arrays)["y_train"]))  # labels: small, read whole
             shape = self.x.shape[1:]

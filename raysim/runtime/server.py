@@ -100,6 +100,8 @@ class FederatedServer:
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
             arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
             data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
+        if files is not None:  # the node that holds them: hosts without the folder copy from it (data/replicate.py)
+            files = {**files, "node": ray.get_runtime_context().get_node_id()}
         self.dispatch.share_data(OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
                                  num_classes, data.norm, data.pixel_max, self.sizes)
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())

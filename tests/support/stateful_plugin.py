@@ -73,13 +73,30 @@ class LosesItsHost(FedAvg):
     """FedAvg whose clients, in round 2, on a node whose processes have
     RAYSIM_TEST_LOSE_HOST=1 in their environment, kill that node's raylet (a Ray worker's
     parent) and exit: the host is lost mid-round, with every actor on it. Elsewhere, and in
-    the call made again, it is FedAvg."""
+    the call made again, it is FedAvg. RAYSIM_TEST_LOSE_HOST=all: every process of the host
+    dies (a host of tests/support/hosts.py, whose PID namespace's init is its sshd, which
+    lives on: Ray's autoscaler can start Ray there again)."""
 
     def client_update(self, client, payload):
         import os
         import signal
 
-        if client.round == 2 and os.environ.get("RAYSIM_TEST_LOSE_HOST") == "1":
+        lose = os.environ.get("RAYSIM_TEST_LOSE_HOST")
+        if client.round == 2 and lose == "1":
             os.kill(os.getppid(), signal.SIGKILL)
             os._exit(1)
+        if client.round == 2 and lose == "all" and _a_test_host():
+            os.kill(-1, signal.SIGKILL)  # every process of the host but its init (sshd) and this one
+            os._exit(1)
         return super().client_update(client, payload)
+
+
+def _a_test_host() -> bool:
+    """Whether this process runs on a host of tests/support/hosts.py (its own PID namespace,
+    whose init is that host's sshd), where killing every process kills only that host."""
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            init = f.read()
+    except OSError:
+        return False
+    return b"sshd" in init and b"rshosts-" in init
