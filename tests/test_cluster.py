@@ -70,7 +70,14 @@ def two_nodes_with_gpus():
     yield from _two_nodes({}, ["--num-gpus=2"])
 
 
-def _two_nodes(worker_env: dict, more: list = ()):
+@pytest.fixture()
+def two_nodes_all_actors_on_the_worker():
+    """A fresh cluster whose head has no CPU (client actors go to the worker node only) and
+    whose worker node's processes have RAYSIM_TEST_LOSE_HOST=1."""
+    yield from _two_nodes({"RAYSIM_TEST_LOSE_HOST": "1"}, head_more=["--num-cpus=0"])
+
+
+def _two_nodes(worker_env: dict, more: list = (), head_more: list = ()):
     marker = secrets.token_hex(8)
     temp = tempfile.mkdtemp(prefix="rs2n", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAYSIM_TEST_CLUSTER=marker, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
@@ -81,7 +88,7 @@ def _two_nodes(worker_env: dict, more: list = ()):
     try:
         subprocess.run([*start, "--head", f"--port={gcs}", "--include-dashboard=false", f"--temp-dir={temp}",
                         f"--ray-client-server-port={client}", '--resources={"head_node": 1}',
-                        f"--metrics-export-port={m_head}", f"--dashboard-agent-listen-port={a_head}"],
+                        f"--metrics-export-port={m_head}", f"--dashboard-agent-listen-port={a_head}", *head_more],
                        env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([*start, f"--address=127.0.0.1:{gcs}", '--resources={"worker_node": 1}',
                         f"--metrics-export-port={m_worker}", f"--dashboard-agent-listen-port={a_worker}"],
@@ -229,3 +236,29 @@ def test_logical_gpus_place_eight_quarter_gpu_actors_on_each_host(ray_local, two
     assert main([*one, "resources.num_actors=2", "run_name=one"]) == 0
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("gpus", "one"))
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_every_actor_stops_with_one_line_and_a_checkpoint(two_nodes_all_actors_on_the_worker,
+                                                                           tmp_path):
+    """Every client actor is on the worker node, which is lost in round 2, and no node has
+    room to restart them: after resources.lost_actor_wait the run stops, exit 3, with one
+    line that names the checkpoint `resume=` goes on from (round 1's)."""
+    cluster = two_nodes_all_actors_on_the_worker
+    run = ["dataset=digits", "model=mlp", "num_clients=12", "participation=0.5", "rounds=4", "local.epochs=1",
+           "resources.num_actors=2", "resources.num_cpus_per_actor=1", "resources.lost_actor_wait=5",
+           "checkpoint_every=1", "plugins=[stateful_plugin]", "algorithm=test_loses_its_host", f"output_dir={tmp_path}", "--quiet",
+           f"ray.address={cluster['address']}", "run_name=gone"]
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *run], env=cluster["env"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 3, (r.stdout + r.stderr)[-3000:]
+    assert time.time() - t0 < 120  # the wait was the configured one, not the default 120 s
+    errors = [line for line in r.stderr.splitlines() if "every client actor was lost" in line]
+    assert len(errors) == 1 and "resources.lost_actor_wait=5 s" in errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    resume = re.search(r"resume=(\S+)", r.stderr)
+    assert resume, r.stderr[-2000:]
+    assert "continues from its checkpoint of round 1" in errors[0], errors[0]
+    summary = json.loads((tmp_path / "gone" / "summary.json").read_text())
+    assert (summary["status"], summary["actors_lost_round"]) == ("actors_lost", 2), summary

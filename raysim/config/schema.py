@@ -104,6 +104,9 @@ class ResourcesConfig:
     tasks_per_actor: Optional[int] = None  # an actor's clients of a round in up to this many tasks, so the server folds
     # the first tasks' models while it trains the rest; None: 4 where actors hold a GPU and models are >= 1 MB, else 1
     placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster
+    # that scales up starts hosts meanwhile)
+    lost_actor_wait: float = 120.0  # seconds a run waits for Ray to bring back a client actor when every
+    # one is lost (a host lost with all of them); then it stops, naming the checkpoint to resume from
 
 
 @dataclass

@@ -52,7 +52,8 @@ class Call:
     redone: bool = False
 
 
-RESTART_WAIT = 120.0  # s: with every client actor lost, how long the run waits for one to come back
+# a later group of results, fetched after its task returned, lost with its node (or its actor)
+LATER_LOST = (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError)
 RESTART_POLL = 0.2  # s: how long a call waits to hear whether lost actors are back (the others take their clients)
 FETCH_BYTES = 64 * 2**20
 INLINE_BYTES = 64 * 2**10
@@ -107,6 +108,7 @@ class Dispatch:
         self.bytes = [0, 0]  # down, up: cumulative
         self.seconds = {"broadcast": 0.0, "train": 0.0}  # this round's; the server resets it
         self._restarting: set[int] = set()  # actors that died and are being restarted
+        self.restart_wait = float(cfg.resources.lost_actor_wait)
         self._attached: set[int] = set()  # actors that have been sent the data references
         self._killed_in: Optional[int] = None  # the last round faults.kill_* struck
 
@@ -192,7 +194,12 @@ class Dispatch:
             while j < len(chunk):
                 if not results:
                     t0 = time.perf_counter()
-                    results = ray.get(group_refs[next_group])
+                    try:
+                        results = ray.get(group_refs[next_group])
+                    except LATER_LOST as e:  # the task returned, then its node was lost with its results
+                        a, _ = self._redo(call, e)  # the whole call again; the groups before this one are taken
+                        group_refs, state_refs = call.refs[:call.n_groups], call.refs[call.n_groups:]
+                        results = ray.get(group_refs[next_group])
                     self.seconds["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
@@ -245,7 +252,7 @@ class Dispatch:
                                 f"{time.perf_counter() - t0:.2f} s")
                 return b, results
         raise ActorsLost(f"every client actor was lost ({', '.join(f'{x}: {w}' for x, w in why.items())}) and none "
-                         f"came back within {RESTART_WAIT:g} s, so clients {call.chunk} cannot train")
+                         f"came back within resources.lost_actor_wait={self.restart_wait:g} s, so clients {call.chunk} cannot train")
 
     def _where(self, a: int) -> str:
         """', on node <id> at <address>' where actor `a` was last seen (its start-up answer), or ''."""
@@ -275,12 +282,12 @@ class Dispatch:
         """The actors to give work to: all but those lost and not back. Lost ones are asked
         whether Ray has restarted them (briefly: one whose host is gone may never come
         back, and the others can take its clients, which changes no result); when every
-        actor is lost, the first to come back is waited for, up to `RESTART_WAIT` s."""
+        actor is lost, the first to come back is waited for, up to `resources.lost_actor_wait` s."""
         if self._restarting:
             everyone = len(self._restarting) == self.n_actors
             asked = {self.actors[a].device_info.remote(): a for a in sorted(self._restarting)}
             ready, _ = ray.wait(list(asked), num_returns=1 if everyone else len(asked),
-                                timeout=RESTART_WAIT if everyone else RESTART_POLL)
+                                timeout=self.restart_wait if everyone else RESTART_POLL)
             if everyone and ready:  # the others may be back by now too
                 ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=RESTART_POLL)
             for ref in ready:
