@@ -155,11 +155,12 @@ def test_a_run_asking_for_more_actors_than_the_head_holds_scales_up_then_the_doc
     seconds = time.time() - t0
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "raysim: waiting for 2 of 3 client actors" in run.stderr + run.stdout, (run.stdout + run.stderr)[-3000:]
-    print(f"ray up {cluster['up_seconds']:.0f} s; a run that scaled 1 -> 3 hosts: {seconds:.0f} s")
     got = ray_cli("rsync-down", path, "~/raysim/runs/cluster/", str(tmp_path / "cluster"), env=env)
     assert got.returncode == 0, got.stderr[-2000:]
     summary = json.loads((tmp_path / "cluster" / "summary.json").read_text())
     assert len(summary["client_actor_nodes"]) == 3, summary["client_actor_nodes"]  # one actor on each host
+    print(f"ray up {cluster['up_seconds']:.0f} s; a run that scaled 1 -> 3 hosts: {seconds:.0f} s, "
+          f"{summary['seconds_to_end_of_round_1']:.1f} s to the end of round 1")
     b = torch.load(tmp_path / "cluster" / "model.pt", weights_only=True)["global"]
     assert _same(one_node["fedavg"], b)
     # each host's run directory is its own: only the head (where the command ran) has it
@@ -225,7 +226,9 @@ def test_data_store_files_on_hosts_that_share_no_folder(cluster, one_node):
     again = _run_on_head(cluster, "files-again", "data_store=files")
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     second = [rx_bytes(h) - b for h, b in zip(hosts.hosts[1:], before)]
-    print(f"bytes received per worker host: first run {first}, second run {second}")
+    took = json.loads((hosts.hosts[0].folder / "home/raysim/runs/files-again/summary.json").read_text())
+    print(f"bytes received per worker host: first run {first}, second run {second}; the second run (hosts up, "
+          f"no scaling): {took['seconds_to_end_of_round_1']:.1f} s to the end of round 1")
     assert _same(one_node["fedavg"], _model(cluster, "files-again"))
 
 

@@ -65,9 +65,9 @@ def choose(cfg, data_bytes: Optional[int]) -> str:
     """Where a run keeps its training arrays: `data_store`, or for `auto` files when the
     arrays (`data_bytes`) would take more than `CROWDED` of the object store of a one-node
     Ray (the store is sized when Ray starts; spilling slows every round), else memory. On
-    several nodes auto keeps memory: the object store ships the arrays to each node once,
-    while files need `data_store_dir` to be a folder every node reads (say so with
-    data_store=files). Without Ray (a script's `prepare`) or a size: memory."""
+    several nodes auto keeps memory: the object store ships the arrays to each node once
+    (files work there too: a host without the folder copies them, data/replicate.py).
+    Without Ray (a script's `prepare`) or a size: memory."""
     if cfg.data_store != "auto":
         return cfg.data_store
     import ray
@@ -193,9 +193,9 @@ def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
 
             raise ConfigError(f"data_store=files: {path} is not there on host {socket.gethostname()} "
                               f"({ray_node_ip()}): deleted since raysim wrote it (delete the folder "
-                              f"{manifest['folder']} and run again), or, on a cluster, data_store_dir is not a "
-                              "folder every node reads: name a shared mount, or use data_store=memory (Ray's "
-                              "object store ships the arrays to each node)") from None
+                              f"{manifest['folder']} and run again), or, on a cluster, it could not be copied "
+                              "here from the server's host: name a shared mount as data_store_dir, or use "
+                              "data_store=memory (Ray's object store ships the arrays to each node)") from None
         except (OSError, ValueError) as e:
             raise _changed(manifest, name, f"it cannot be read as an array ({str(e).splitlines()[0][:80]})") from None
         if list(a.shape) != entry["shape"] or a.dtype.str != entry["dtype"]:
