@@ -105,6 +105,9 @@ class ResourcesConfig:
     # the first tasks' models while it trains the rest; None: 4 where actors hold a GPU and models are >= 1 MB, else 1
     placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster
     # that scales up starts hosts meanwhile)
+    client_state_gb: Optional[float] = None  # stateful algorithms: GB of client states the server keeps in
+    # memory; the least recently used beyond it go to a file (runtime/state_store.py). None: the size of Ray's
+    # object store, at most a third of the free memory
     lost_actor_wait: float = 120.0  # seconds a run waits for Ray to bring back a client actor when every
     # one is lost (a host lost with all of them); then it stops, naming the checkpoint to resume from
 

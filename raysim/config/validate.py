@@ -204,6 +204,8 @@ def validate(cfg: DictConfig) -> None:
     need(r.tasks_per_actor is None or r.tasks_per_actor >= 1,
          f"resources.tasks_per_actor must be >= 1 (or null: chosen by the model's size and the GPU), got {r.tasks_per_actor}")
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")
+    need(r.client_state_gb is None or r.client_state_gb >= 0,
+         f"resources.client_state_gb must be >= 0 GB (0: every state but the last on disk), got {r.client_state_gb}")
     need(r.lost_actor_wait > 0, f"resources.lost_actor_wait must be > 0 seconds, got {r.lost_actor_wait}")
     for key, reg in PLUGIN_KINDS.items():  # each chosen part checks its own options
         section = section_of(reg, cfg[key])

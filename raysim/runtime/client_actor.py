@@ -87,8 +87,8 @@ class ClientRunner:
         self.adversaries = Adversaries(self.cfg, int(self.cfg.num_clients))  # attack.* (raysim/attacks.py)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
-            group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload, *states,
-            redo: bool = False):
+            group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload,
+            states: Optional[list] = None, redo: bool = False):
         """Run `on.method(client, payload)` for each client in order, or, `vectorized`
         (`local.vectorize`), `client_update_cohort` once per block of `cids` (`blocks`: the
         sizes of consecutive blocks, placed whole). With `sums` (`server.partial_sums`), each
@@ -96,8 +96,9 @@ class ClientRunner:
 
         Returns the results in lists of `group` (one object each: a few objects for many
         small updates, one per client for big ones) and, for a plugin with
-        `client_state = True`, then each client's new state as its own object (see
-        `Dispatch.run`, runtime/dispatch.py). `data` = (config, [train arrays ref, train index ref],
+        `client_state = True` (`states`: each client's state, or None), then one object: the
+        list of the clients' new states, None where a call left a state as it was (see
+        `Dispatch.run`, runtime/dispatch.py; the server keeps them, runtime/state_store.py). `data` = (config, [train arrays ref, train index ref],
         num_classes, normalisation, pixel_max) on a run's first call to this actor and the first after a
         restart, else None: references cost a little on every call that carries them. `redo`:
         the call again, after the actor that had it was lost (`faults.crash_*` does not strike
@@ -109,7 +110,7 @@ class ClientRunner:
         self.redo = redo
         plugin = self.plugins[on]
         stateful = bool(plugin.client_state)
-        states = states if stateful else [None] * len(cids)
+        states = states if stateful and states is not None else [None] * len(cids)
         payload = unpack(payload)
         results, new_states = [], []
         parts = _split(list(zip(cids, epochs, states)), blocks if vectorized else None)
@@ -134,8 +135,8 @@ class ClientRunner:
                 result = self.adversaries.after(client, payload, result, rnd, method)
                 result.metrics.setdefault("seconds", seconds)
                 if stateful:
-                    # a state the call did not touch is not sent back: the server keeps its reference
-                    # (big cached state, e.g. FedConcat's features, is not copied every round)
+                    # a state the call did not touch is not sent back: the server keeps what it has
+                    # (big cached state, e.g. FedConcat's features, is not copied back every round)
                     result.state_changed = (client.state.keys() != old.keys()
                                             or any(client.state[k] is not v for k, v in old.items()))
                     new_states.append(pack(client.state) if client.state and result.state_changed else None)
@@ -148,7 +149,7 @@ class ClientRunner:
         if sums and not vectorized:
             results = [partial_sum(block) for block in _split(results, blocks)]
         results = [pack(r) for r in results]
-        out = [results[i:i + group] for i in range(0, len(results), group)] + new_states
+        out = [results[i:i + group] for i in range(0, len(results), group)] + ([new_states] if stateful else [])
         return tuple(out) if len(out) > 1 else out[0]
 
     def _client(self, rnd: int, cid: int, n_epochs: int, state, x: Optional[torch.Tensor] = None,

@@ -9,8 +9,10 @@ once, then, per call of `run`:
   models on GPUs, a few (`pipeline`: the server folds the first while the actor trains on), and yields
   the results in client-id order, fetched in bounded batches, so the server holds O(model)
   and the fold order never depends on which actor finishes first;
-- keeps each stateful client's state as an object-store reference (any actor can run any
-  client; the state outlives the actor that wrote it);
+- keeps each stateful client's state itself (runtime/state_store.py: in memory at about its
+  own size, the least recently used on disk beyond `resources.client_state_gb`), sends a
+  call's states with it and takes the changed ones back with its results (any actor can
+  run any client; a state outlives the actor, and the host, that wrote it);
 - makes a call again when its actor was lost (its process or its host died, or it came
   back restarted without its data): the same clients, epochs, payload and states, on the
   next actor that answers, within the same round and in the same client-id order of the
@@ -35,13 +37,15 @@ from raysim.errors import ActorsLost
 from raysim.runtime import placement, pool
 from raysim.runtime.client_actor import DataNotAttached
 from raysim.runtime.clients import describe as describe_needs, start_client_actors
+from raysim.runtime.state_store import ClientStates, state_memory_bytes
 from raysim.runtime.wire import pack, unpack
 from raysim.training import nbytes
 
 @dataclasses.dataclass
 class Call:
     """One task of a call: actor `actor` runs `chunk` with `args` (ClientRunner.run's after
-    its data), `n_groups` result objects then `n_states` states; `refs` its object refs. `redone`:
+    its data), `n_groups` result objects then `n_states` (0 or 1) objects: the list of the
+    clients' new states; `refs` its object refs. `redone`:
     made again after the actor that had it was lost."""
     actor: int
     chunk: list[int]
@@ -104,7 +108,7 @@ class Dispatch:
         self.sum_block = sum_block(cfg)  # clients per sum made in the actors (0: each client's result)
         self._ready = [a.device_info.remote() for a in self.actors]
         self.record = None  # the run record (runtime/record.py): `client` rows and `log` lines; set by the server
-        self.states: dict[int, ray.ObjectRef] = {}  # client id -> its state
+        self.states = ClientStates(state_memory_bytes(cfg))  # client id -> its state (runtime/state_store.py)
         self.bytes = [0, 0]  # down, up: cumulative
         self.seconds = {"broadcast": 0.0, "train": 0.0}  # this round's; the server resets it
         self._restarting: set[int] = set()  # actors that died and are being restarted
@@ -164,11 +168,11 @@ class Dispatch:
         pieces = [(a, piece, blocks) for a, chunk, blocks in placed
                   for piece in pipeline(chunk, blocks, tasks_per_actor(self.cfg.resources, size))]
         for a, chunk, blocks in pieces:
-            states = [self.states.get(c) for c in chunk] if stateful else []
+            states = [self.states.get(c) for c in chunk] if stateful else None
             n_groups = -(-(len(blocks) if sums else len(chunk)) // group)
             args = (rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
-                    *states)
-            calls.append(Call(a, chunk, n_groups, len(states), args, self._submit(a, args, n_groups + len(states))))
+                    states)
+            calls.append(Call(a, chunk, n_groups, int(stateful), args, self._submit(a, args, n_groups + int(stateful))))
         self.seconds["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs)
 
@@ -189,7 +193,8 @@ class Dispatch:
                 a, results = self._redo(call, e)
             finally:
                 self.seconds["train"] += time.perf_counter() - t0
-            group_refs, state_refs = call.refs[:call.n_groups], call.refs[call.n_groups:]
+            new_states = self._states_of(call)
+            group_refs = call.refs[:call.n_groups]
             next_group, j = 1, 0  # j: the position in `chunk` of the next client
             while j < len(chunk):
                 if not results:
@@ -198,21 +203,33 @@ class Dispatch:
                         results = ray.get(group_refs[next_group])
                     except LATER_LOST as e:  # the task returned, then its node was lost with its results
                         a, _ = self._redo(call, e)  # the whole call again; the groups before this one are taken
-                        group_refs, state_refs = call.refs[:call.n_groups], call.refs[call.n_groups:]
+                        group_refs = call.refs[:call.n_groups]
                         results = ray.get(group_refs[next_group])
                     self.seconds["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
                 self.bytes[1] += nbytes(result.update)
                 for cid, n, metrics, changed in result.clients or [(chunk[j], None, None, result.state_changed)]:
-                    if state_refs and changed:
-                        self.states[cid] = state_refs[j]
+                    if new_states is not None and changed:
+                        self.states.put(cid, new_states[j])
                     one = result if n is None else ClientResult(cid, n, None, metrics)
                     self.record.client(rnd, cid, method, "ok", result=one, epochs=epochs[cid], redone=call.redone)
                     j += 1
                 if j == len(chunk):
                     self.record.metrics.actor_done(a, len(chunk))
                 yield result
+
+    def _states_of(self, call: "Call") -> Optional[list]:
+        """The new states `call` sent back (None where a client's was left as it was), or
+        None for a plugin without client state; a call whose states were lost with its
+        host is made again."""
+        if not call.n_states:
+            return None
+        try:
+            return ray.get(call.refs[-1])
+        except LATER_LOST as e:
+            self._redo(call, e)
+            return ray.get(call.refs[-1])
 
     def _lost(self, a: int, e: BaseException) -> None:
         """Actor `a`'s call failed with `e`: dead (Ray restarts it; no work until it is back),
@@ -312,12 +329,13 @@ class Dispatch:
     # ------------------------------------------------------------------ checkpoints
     def client_states(self) -> dict[int, Any]:
         """Every stateful client's state, fetched (for a checkpoint)."""
-        cids = sorted(self.states)
-        return {c: unpack(s) for c, s in zip(cids, ray.get([self.states[c] for c in cids]))}
+        return {c: unpack(s) for c, s in self.states.items()}
 
     def restore(self, client_states: dict, sent: list) -> None:
         """Take the client states and byte counters of a checkpoint."""
-        self.states = {int(c): ray.put(pack(s)) for c, s in client_states.items()}
+        self.states.close()
+        for c, state in client_states.items():
+            self.states.put(int(c), pack(state))
         self.bytes = list(sent)
 
     # ------------------------------------------------------------------ the actors' end
@@ -335,10 +353,12 @@ class Dispatch:
                     ray.kill(self.actors[a])
             pool.keep_client_actors(self.actor_key, [self.actors[a] for a in live])
             self.actors = []
+            self.states.close()
         else:
             self.stop()
 
     def stop(self) -> None:
+        self.states.close()
         for a in self.actors:
             ray.kill(a)
         self.actors = []

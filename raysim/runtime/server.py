@@ -442,6 +442,10 @@ class FederatedServer:
             spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity
             summary.update({"dp_epsilon": spent if math.isfinite(spent) else None, "dp_delta": a.delta,
                             "dp_noise_multiplier": a.noise_multiplier, "dp_clip": a.clip})
+        states = self.dispatch.states
+        if len(states):
+            self.record.log(f"client states: {len(states)} kept by the server, {states.on_disk} of them on disk "
+                            f"({states.disk_bytes / 2**20:.1f} MB; resources.client_state_gb)")
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
         return summary

@@ -1,0 +1,83 @@
+"""Client state kept by the server (runtime/state_store.py, issue 58): in memory up to a
+budget, the rest in a file; what comes back is what went in, and runs give the same
+models whether their states were in memory or on disk, on any number of actors, and
+resumed from a checkpoint."""
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from raysim.run import main
+from raysim.runtime import state_store
+from raysim.runtime.state_store import ClientStates
+from raysim.runtime.wire import Packed
+
+
+def _state(rng, n):
+    return {"w": Packed(rng.standard_normal((n, 7)).astype(np.float32)), "step": int(n)}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and np.array_equal(a["w"].array, b["w"].array) and a["step"] == b["step"]
+
+
+def test_states_beyond_the_budget_go_to_a_file_and_come_back_exactly(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    store = ClientStates(memory_bytes=10 * 28 * 20, folder=tmp_path)  # about 10 states of 20 rows
+    kept = {}
+    for cid in range(60):
+        kept[cid] = _state(rng, 20)
+        store.put(cid, kept[cid])
+    assert store.on_disk >= 45 and len(store) == 60
+    files = list(tmp_path.glob("run-*/states.bin"))
+    assert len(files) == 1
+    for cid in (3, 17, 59, 0):  # rewritten: in memory again, the old bytes garbage
+        kept[cid] = _state(rng, 5 + cid)
+        store.put(cid, kept[cid])
+    assert all(_same(store.get(c), kept[c]) for c in range(60))
+    assert store.cids() == list(range(60))
+    monkeypatch.setattr(state_store, "COMPACT_BYTES", 0)  # garbage over half the file: rewritten at the next spill
+    for cid in [*range(5, 45)] * 2:
+        kept[cid] = _state(rng, 20)
+        store.put(cid, kept[cid])
+    assert store.compactions >= 1 and files[0].stat().st_size == store._end <= 2 * store.disk_bytes
+    assert all(_same(dict(s), kept[c]) for c, s in store.items())
+    store.close()
+    assert not list(tmp_path.iterdir())  # the file and its folder
+
+
+def test_an_array_that_maps_a_read_only_buffer_is_copied(tmp_path):
+    buffer = np.arange(12, dtype=np.float32)
+    buffer.flags.writeable = False
+    view = buffer[2:8]
+    store = ClientStates(memory_bytes=2**20, folder=tmp_path)
+    store.put(1, {"w": Packed(view)})
+    got = store.get(1)["w"].array
+    assert np.array_equal(got, view) and got.base is None and got.flags.writeable
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedper"])
+def test_states_on_disk_give_the_models_of_states_in_memory_on_any_actors_and_resumed(ray_local, tmp_path,
+                                                                                    algorithm):
+    common = [f"algorithm={algorithm}", "dataset=digits", "model=mlp", "num_clients=12", "participation=0.5",
+              "local.epochs=1", "checkpoint_every=2", f"output_dir={tmp_path}", "--quiet"]
+    if algorithm == "fedper":
+        common.append("partition.test_fraction=0.2")
+    assert main([*common, "rounds=4", "resources.num_actors=1", "run_name=memory"]) == 0
+    # every state but the last written on disk, three actors, and stopped after round 2 then resumed
+    disk = [*common, "resources.client_state_gb=0", "resources.num_actors=3"]
+    assert main([*disk, "rounds=2", "run_name=disk"]) == 0
+    assert main([f"resume={tmp_path / 'disk'}", "rounds=4", "resources.client_state_gb=0", "--quiet"]) == 0
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("memory", "disk"))
+    for part in a:
+        if isinstance(a[part], dict):
+            assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    on_disk = re.search(r"client states: (\d+) kept by the server, (\d+) of them on disk",
+                        (tmp_path / "disk" / "log.txt").read_text())
+    assert on_disk and int(on_disk.group(2)) == int(on_disk.group(1)) - 1 > 0
+    assert re.search(r"client states: \d+ kept by the server, 0 of them on disk", (tmp_path / "memory" / "log.txt").read_text())
+    spill = state_store.spill_folder()
+    assert not [p for p in spill.iterdir()], list(spill.iterdir())  # each run removed its file
+    assert os.environ["RAYSIM_CACHE_DIR"] in str(spill)
