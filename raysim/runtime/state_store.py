@@ -113,6 +113,12 @@ class ClientStates:
     def cids(self) -> list[int]:
         return sorted([*self._memory, *self._disk])
 
+    def nbytes(self, cid: int) -> int:
+        """Bytes of client `cid`'s state (0: none)."""
+        if cid in self._sizes:
+            return self._sizes[cid]
+        return self._disk[cid][1] if cid in self._disk else 0
+
     def get(self, cid: int) -> Any:
         """Client `cid`'s state, or None when it has none yet."""
         if cid in self._memory:
