@@ -67,7 +67,8 @@ def test_states_on_disk_give_the_models_of_states_in_memory_on_any_actors_and_re
         common.append("partition.test_fraction=0.2")
     assert main([*common, "rounds=4", "resources.num_actors=1", "run_name=memory"]) == 0
     # every state but the last written on disk, three actors, and stopped after round 2 then resumed
-    disk = [*common, "resources.client_state_gb=0", "resources.num_actors=3"]
+    # (and each actor's clients in up to 3 tasks, as a store too small for a call's states splits them)
+    disk = [*common, "resources.client_state_gb=0", "resources.num_actors=3", "resources.tasks_per_actor=3"]
     assert main([*disk, "rounds=2", "run_name=disk"]) == 0
     assert main([f"resume={tmp_path / 'disk'}", "rounds=4", "resources.client_state_gb=0", "--quiet"]) == 0
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("memory", "disk"))
@@ -81,3 +82,12 @@ def test_states_on_disk_give_the_models_of_states_in_memory_on_any_actors_and_re
     spill = state_store.spill_folder()
     assert not [p for p in spill.iterdir()], list(spill.iterdir())  # each run removed its file
     assert os.environ["RAYSIM_CACHE_DIR"] in str(spill)
+
+
+def test_a_task_carries_at_most_a_sixteenth_of_the_object_store_in_client_state():
+    from raysim.runtime.dispatch import tasks_for_states
+
+    assert tasks_for_states(0, 2**30) == 1
+    assert tasks_for_states(2**30 // 16, 2**30) == 1
+    assert tasks_for_states(2**30 // 16 + 1, 2**30) == 2
+    assert tasks_for_states(327 * 2**20, 0.3 * 2**30) == 18  # 1,500 of Ditto's MLPs, a 0.3 GB store

@@ -95,6 +95,13 @@ def tasks_per_actor(resources, payload_bytes: int) -> int:
     return PIPELINE_TASKS if resources.num_gpus_per_actor > 0 and payload_bytes >= PIPELINE_BYTES else 1
 
 
+def tasks_for_states(state_bytes: int, store_bytes: float) -> int:
+    """Tasks enough that none carries more client state than `STATE_SHARE` of the object
+    store (a call's states travel through it, both ways: Ditto's 3,000 whole models in two
+    calls were more than a 0.3 GB store holds)."""
+    return max(1, math.ceil(state_bytes / max(1.0, STATE_SHARE * store_bytes)))
+
+
 class Dispatch:
     def __init__(self, cfg, run_name: str, started: Optional[tuple] = None):
         """Take the client actors the server started first thing (`started`, what
@@ -224,11 +231,7 @@ class Dispatch:
                 yield result
 
     def _tasks_for_states(self, chunk: list[int]) -> int:
-        """Tasks enough that none carries more client state than `STATE_SHARE` of the object
-        store (a call's states travel in it, both ways: Ditto's 3,000 whole models in two
-        calls overfilled a 0.3 GB store, and the round took 1.8x)."""
-        held = sum(self.states.nbytes(c) for c in chunk)
-        return max(1, math.ceil(held / max(1.0, STATE_SHARE * self.store_bytes))) if held else 1
+        return tasks_for_states(sum(self.states.nbytes(c) for c in chunk), self.store_bytes)
 
     def _states_of(self, call: "Call") -> Optional[list]:
         """The new states `call` sent back (None where a client's was left as it was), or
