@@ -60,19 +60,21 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=1000)
     p.add_argument("--algorithms", nargs="+", default=["fedavg", "scaffold", "moon"])
     p.add_argument("--checkpoint-every", type=int, default=3, help="0: no checkpoint (the rounds alone)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more overrides for every run, e.g. ray.object_store_gb=0.3 (issue 58's Ditto case)")
     args = p.parse_args()
     tp.PSS = True
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(f"host: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
           f"{args.clients} clients, all selected each of 3 rounds, MLP on Synthetic, "
-          f"checkpoint_every={args.checkpoint_every}")
+          f"checkpoint_every={args.checkpoint_every}{' ' + ' '.join(args.set) if args.set else ''}")
     print(f"{'algorithm':<10}{'state/client':>14}{'peak PSS MB':>13}{'peak RSS MB':>13}{'extra PSS/client':>18}"
           f"{'checkpoint/client':>19}{'s/round':>9}")
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algorithms:
             cmd = [sys.executable, "-m", "raysim.run", *COMMON, f"num_clients={args.clients}", f"algorithm={algo}",
-                   f"checkpoint_every={args.checkpoint_every}",
+                   f"checkpoint_every={args.checkpoint_every}", *args.set,
                    f"output_dir={tmp}", f"run_name={algo}"]
             r, peak = tp.run_measured(cmd, env)
             if r.returncode != 0:
