@@ -190,14 +190,17 @@ def test_actors_a_cluster_cannot_place_stop_the_run_after_the_placement_timeout(
 @pytest.mark.slow
 def test_a_host_lost_mid_round_changes_no_result(ray_local, two_nodes_one_to_lose, tmp_path):
     """Four actors, two on each node; in round 2 the worker node's raylet is killed from
-    inside a client's training (tests/support: `test_loses_its_host`), and every actor there
-    dies with it. Their calls are made again on the head's actors within round 2 (`redone`,
-    nothing dropped), the lost actors, which no node has room to restart, are not waited
-    for, and the model is the one-node run's without any loss, bit for bit."""
+    inside a client's training (tests/support: `test_loses_its_host_counting`, whose clients
+    count their rounds in their state), and every actor there dies with it. Their calls are
+    made again on the head's actors within round 2 (`redone`, nothing dropped), with the
+    states written on the lost node in round 1 (the server holds them); the lost actors,
+    which no node has room to restart, are not waited for, and the model is the one-node
+    run's without any loss, bit for bit."""
     cluster = two_nodes_one_to_lose
     run = ["dataset=digits", "model=mlp", "num_clients=12", "participation=1.0", "rounds=4", "local.epochs=1",
            "local.batch_size=16", "resources.num_actors=4", "resources.num_cpus_per_actor=1",
-           "plugins=[stateful_plugin]", "algorithm=test_loses_its_host", f"output_dir={tmp_path}", "--quiet"]
+           "plugins=[stateful_plugin]", "algorithm=test_loses_its_host_counting", f"output_dir={tmp_path}",
+           "--quiet"]
     r = subprocess.run([sys.executable, "-m", "raysim.run", *run, f"ray.address={cluster['address']}",
                         "run_name=lost"], env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -205,6 +208,8 @@ def test_a_host_lost_mid_round_changes_no_result(ray_local, two_nodes_one_to_los
     rows = [c for c in __import__("pyarrow.parquet").parquet.read_table(d / "clients.parquet").to_pylist()
             if c["method"] == "client_update"]
     assert not [c for c in rows if c["status"] != "ok"]
+    # each client's state (rounds taken part in) outlived the host that wrote it in round 1
+    assert all(c["loss"] == c["round"] for c in rows), [(c["round"], c["cid"], c["loss"]) for c in rows]
     redone = sorted(c["cid"] for c in rows if c["redone"])
     assert redone and len(redone) == 6 and {c["round"] for c in rows if c["redone"]} == {2}, redone  # 2 actors x 3
     log = (d / "log.txt").read_text()

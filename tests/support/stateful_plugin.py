@@ -68,27 +68,46 @@ class JoinRecorder(FedAvg):
         return {**extra, "told_joined": told}
 
 
+def _lose_host_in_round_2(client) -> None:
+    """In round 2, on a node whose processes have RAYSIM_TEST_LOSE_HOST in their
+    environment: "1" kills that node's raylet (a Ray worker's parent) and exits; "all" kills
+    every process of the host (a host of tests/support/hosts.py, whose PID namespace's init
+    is its sshd, which lives on: Ray's autoscaler can start Ray there again)."""
+    import os
+    import signal
+
+    lose = os.environ.get("RAYSIM_TEST_LOSE_HOST")
+    if client.round == 2 and lose == "1":
+        os.kill(os.getppid(), signal.SIGKILL)
+        os._exit(1)
+    if client.round == 2 and lose == "all" and _a_test_host():
+        os.kill(-1, signal.SIGKILL)  # every process of the host but its init (sshd) and this one
+        os._exit(1)
+
+
 @ALGORITHMS.register("test_loses_its_host")
 class LosesItsHost(FedAvg):
-    """FedAvg whose clients, in round 2, on a node whose processes have
-    RAYSIM_TEST_LOSE_HOST=1 in their environment, kill that node's raylet (a Ray worker's
-    parent) and exit: the host is lost mid-round, with every actor on it. Elsewhere, and in
-    the call made again, it is FedAvg. RAYSIM_TEST_LOSE_HOST=all: every process of the host
-    dies (a host of tests/support/hosts.py, whose PID namespace's init is its sshd, which
-    lives on: Ray's autoscaler can start Ray there again)."""
+    """FedAvg whose clients lose their host in round 2 (`_lose_host_in_round_2`). Elsewhere,
+    and in the call made again, it is FedAvg."""
 
     def client_update(self, client, payload):
-        import os
-        import signal
-
-        lose = os.environ.get("RAYSIM_TEST_LOSE_HOST")
-        if client.round == 2 and lose == "1":
-            os.kill(os.getppid(), signal.SIGKILL)
-            os._exit(1)
-        if client.round == 2 and lose == "all" and _a_test_host():
-            os.kill(-1, signal.SIGKILL)  # every process of the host but its init (sshd) and this one
-            os._exit(1)
+        _lose_host_in_round_2(client)
         return super().client_update(client, payload)
+
+
+@ALGORITHMS.register("test_loses_its_host_counting")
+class LosesItsHostCounting(StateCounter):
+    """The state counter (client state: rounds taken part in, and 256 KB more, so that Ray
+    would keep it in the writing node's object store rather than inline in its owner),
+    losing its host in round 2: the states written in round 1 on that host must outlive it."""
+
+    def client_update(self, client, payload):
+        import torch
+
+        _lose_host_in_round_2(client)
+        result = super().client_update(client, payload)
+        client.state["ballast"] = torch.full((65536,), float(client.state["count"]))
+        return result
 
 
 def _a_test_host() -> bool:
