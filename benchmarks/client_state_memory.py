@@ -13,7 +13,8 @@ object store split among the processes that map them, so nothing is counted twic
 sampled every 0.1 s. Printed: each algorithm's state size per client (from the model),
 the peak PSS, the extra PSS over FedAvg per client, and the checkpoint's size per client
 (`--checkpoint-every 0`: no checkpoint, the rounds alone).
-Client state lives in Ray's object store (driver-owned references), not in the actors.
+Client state is kept by the server (runtime/state_store.py; before issue 58, one Ray object
+per client). `--set KEY=VALUE ...` adds overrides to every run (e.g. ray.object_store_gb=0.3).
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@ simulated clients.
 
 An actor starts while the server is still loading the data, then maps the dataset arrays
 from the object store on its first call (zero-copy on the node; moved to its GPU once when
-it has one) and slices a client's shard from them when that client runs. Per-client state travels as an object-store reference owned by the server, so any
-actor can run any client and the state outlives the actor that wrote it.
+it has one) and slices a client's shard from them when that client runs. Per-client state
+comes with each call and goes back with its results (the server keeps it:
+runtime/state_store.py), so any actor can run any client and the state outlives the actor,
+and the host, that wrote it.
 """
 from __future__ import annotations
 
