@@ -4,6 +4,9 @@ models whether their states were in memory or on disk, on any number of actors, 
 resumed from a checkpoint."""
 import os
 import re
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -46,6 +49,18 @@ def test_states_beyond_the_budget_go_to_a_file_and_come_back_exactly(tmp_path, m
     assert all(_same(dict(s), kept[c]) for c, s in store.items())
     store.close()
     assert not list(tmp_path.iterdir())  # the file and its folder
+    # a killed run's folder (its process gone) is removed by the next run that spills
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"run-{int(dead.stdout)}-{socket.gethostname()}-abc"
+    elsewhere = tmp_path / f"run-{int(dead.stdout)}-another-host-abc"  # a shared cache: not this host's to judge
+    for folder in (orphan, elsewhere):
+        folder.mkdir()
+        (folder / "states.bin").write_bytes(b"x" * 100)
+    again = ClientStates(memory_bytes=0, folder=tmp_path)
+    again.put(1, _state(rng, 3))
+    again.put(2, _state(rng, 3))
+    assert again.on_disk == 1 and not orphan.exists() and elsewhere.exists()
+    again.close()
 
 
 def test_an_array_that_maps_a_read_only_buffer_is_copied(tmp_path):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
+import socket
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -83,6 +85,17 @@ def spill_folder() -> Path:
     where = cache_dir() / "client-states"
     where.mkdir(parents=True, exist_ok=True)
     return where
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Remove the spill folders that runs on this host left when they were killed before
+    `close` (their process is gone); folders of other hosts (a shared cache) are theirs."""
+    host = socket.gethostname()
+    for folder in parent.glob("run-*"):
+        made = re.fullmatch(r"run-(\d+)-(.+)-[a-z0-9_]+", folder.name)
+        if made and made.group(2) == host and int(made.group(1)) != os.getpid() \
+                and not Path(f"/proc/{made.group(1)}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class ClientStates:
@@ -163,7 +176,9 @@ class ClientStates:
     def _spill(self, cid: int, state: Any) -> None:
         self._held -= self._sizes.pop(cid)
         if self._fd is None:
-            where = Path(tempfile.mkdtemp(prefix="run-", dir=self.folder_parent or spill_folder()))
+            parent = self.folder_parent or spill_folder()
+            _remove_orphans(parent)
+            where = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-{socket.gethostname()}-", dir=parent))
             self._file = where / "states.bin"
             self._fd = os.open(self._file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         blob = pickle.dumps(state, protocol=5)
