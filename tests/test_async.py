@@ -282,3 +282,22 @@ def test_fedbuff_waits_for_k_updates_when_clients_go_offline(ray_local, tmp_path
     assert any(c["cid"] == 4 and c["reason"] == "offline" for c in calls)
     ok = [c["round"] for c in calls if c["status"] == "ok"]
     assert [ok.count(r) for r in (1, 2, 3)] == [3, 3, 3]
+
+
+@pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
+def test_uniform_picks_from_the_free_clients_tree_are_the_listed_picks(ray_local, tmp_path, algorithm):
+    """`selection=random` with always-online clients draws each arrival's client from
+    `FreeClients` (O(log n)); a subclass of it takes the general path, which lists the free
+    clients on every arrival. Same clients started in the same order, same dropouts, same
+    model, bit for bit (with dropouts and a resume in the first run)."""
+    common = [f"algorithm={algorithm}", "dataset=digits", "model=mclr", "num_clients=40", "rounds=6",
+              "system.dropout=0.2", "checkpoint_every=3", "plugins=[stateful_plugin]", f"output_dir={tmp_path}",
+              "--quiet"]
+    assert main([*common, "selection=random", "rounds=3", "run_name=tree"]) == 0
+    assert main([f"resume={tmp_path / 'tree'}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"]) == 0
+    assert main([*common, "selection=test_uniform_listed", "run_name=listed"]) == 0
+    rows = {n: [(r["round"], r["cid"], r["status"]) for r in pq.read_table(tmp_path / n / "clients.parquet").to_pylist()]
+            for n in ("tree", "listed")}
+    assert rows["tree"] == rows["listed"] and any(s == "dropped" for _, _, s in rows["tree"])
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("tree", "listed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -27,6 +27,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
+
 from raysim.contract import ClientResult
 from raysim.errors import RunStalled
 from raysim.training import nbytes
@@ -82,6 +84,55 @@ class Arrival:
     payload: Any  # what it downloaded (FedBuff's update is its model minus this)
 
 
+class FreeClients:
+    """The round's clients that can start (there, not in flight, not dropped), in client-id
+    order, with the k-th found in O(log n): a Fenwick tree of one flag per client there.
+    `InFlight.pick` draws uniformly from them without listing 100,000 clients per arrival."""
+
+    def __init__(self, there: list[int], taken: set[int]):
+        self.there = np.asarray(there, dtype=np.int64)  # sorted (Availability.available)
+        n = len(self.there)
+        flags = np.ones(n, dtype=np.int64)
+        if taken:
+            flags[np.isin(self.there, np.fromiter(taken, dtype=np.int64, count=len(taken)))] = 0
+        prefix = np.concatenate([[0], np.cumsum(flags)])
+        i = np.arange(1, n + 1)
+        self.tree = np.zeros(n + 1, dtype=np.int64)
+        self.tree[1:] = prefix[i] - prefix[i - (i & -i)]  # node i sums the flags of (i - lowbit(i), i]
+        self.flags = flags
+        self.count = int(prefix[-1])
+        self.top = 1 << max(0, n.bit_length() - 1) if n else 0
+        self.tree, self.flags = self.tree.tolist(), self.flags.tolist()  # plain ints: cheap one at a time
+
+    def _position(self, cid: int) -> Optional[int]:
+        at = int(np.searchsorted(self.there, cid))
+        return at if at < len(self.there) and self.there[at] == cid else None
+
+    def set(self, cid: int, free: bool) -> None:
+        """Client `cid` can start (`free`) or cannot (it started, or dropped out)."""
+        at = self._position(cid)
+        if at is None or self.flags[at] == int(free):
+            return
+        self.flags[at] = int(free)
+        step = 1 if free else -1
+        self.count += step
+        i = at + 1
+        while i < len(self.tree):
+            self.tree[i] += step
+            i += i & -i
+
+    def kth(self, k: int) -> int:
+        """The k-th (from 0) free client in client-id order."""
+        at, left = 0, k + 1
+        bit = self.top
+        while bit:
+            nxt = at + bit
+            if nxt < len(self.tree) and self.tree[nxt] < left:
+                at, left = nxt, left - self.tree[nxt]
+            bit >>= 1
+        return int(self.there[at])
+
+
 class InFlight:
     """The clients training now (module docstring)."""
 
@@ -96,6 +147,12 @@ class InFlight:
         self.pending: list[Flight] = []  # started, not sent yet
         self.epochs = int(server.cfg.local.epochs)  # read once: an OmegaConf lookup per client adds up
         self.sizes: dict[int, int] = {}
+        # uniform selection of always-online clients: drawn from `FreeClients`, the same draw
+        # the selection makes from the list of them (`pick`), without listing them per arrival
+        from raysim.algorithms.uniform import UniformSelection
+
+        self.fast = type(server.selection) is UniformSelection and server.clock.online.mode == "always"
+        self.free: Optional[FreeClients] = None
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -110,6 +167,11 @@ class InFlight:
         if self.round is None or self.round[0] != rnd:  # a round's picks draw in turn from one stream
             self.round = (rnd, s.availability.available(rnd), s.rng(rnd, 1000))
             self.dropped = set()
+            self.free = FreeClients(self.round[1], self.cids()) if self.fast else None
+        if self.free is not None:  # as UniformSelection.select on the list of free clients: same draw
+            if not self.free.count:
+                return None
+            return self.free.kth(int(self.round[2].choice(self.free.count, size=1, replace=False)[0]))
         busy = self.cids() | self.dropped
         free = [c for c in s.clock.online.online(self.round[1], s.clock.now) if c not in busy]
         if not free:
@@ -144,6 +206,8 @@ class InFlight:
             kept, got, dropped = s.system.apply(rnd, [cid], {cid: epochs})
             if dropped:  # recorded once: not picked again this round
                 self.dropped.add(cid)
+                if self.free is not None:
+                    self.free.set(cid, False)
                 s.record.client(rnd, cid, "client_update", "dropped", reason="dropout")
                 return
             epochs = got[cid]
@@ -158,6 +222,8 @@ class InFlight:
         flight = Flight(gone if offline and gone is not None else s.clock.now + took, self.seq, cid, rnd,
                         s.clock.now, version, offline, epochs, took)
         heapq.heappush(self.flights, flight)
+        if self.free is not None:
+            self.free.set(cid, False)
         if not offline:
             self.pending.append(flight)  # sent with the next batch (`_send_pending`)
 
@@ -198,6 +264,8 @@ class InFlight:
         """The client in flight that arrives first: the clock moves there."""
         s = self.server
         f = heapq.heappop(self.flights)
+        if self.free is not None and f.cid not in self.dropped:
+            self.free.set(f.cid, True)  # free to start again (if it is there this round)
         s.clock.now = max(s.clock.now, f.end)
         s.record.sim_seconds[f.cid] = f.seconds
         if f.offline:
@@ -229,6 +297,7 @@ class InFlight:
         self.payloads = dict(state["payloads"])
         self.seq = state["seq"]
         self.flights = []
+        self.round = self.free = None  # rebuilt at the next pick, from the flights below
         for end, seq, cid, rnd, start, version, offline, epochs, seconds in state["flights"]:
             f = Flight(end, seq, cid, rnd, start, version, offline, epochs, seconds)
             heapq.heappush(self.flights, f)

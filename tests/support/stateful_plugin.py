@@ -119,3 +119,14 @@ def _a_test_host() -> bool:
     except OSError:
         return False
     return b"sshd" in init and b"rshosts-" in init
+
+
+from raysim.algorithms.uniform import UniformSelection  # noqa: E402
+from raysim.registry import SELECTIONS  # noqa: E402
+
+
+@SELECTIONS.register("test_uniform_listed")
+class UniformListed(UniformSelection):
+    """Uniform selection, as a subclass: asynchronous runs list the free clients for it on
+    every arrival (runtime/asynchronous.py's general path), where `random` itself draws from
+    `FreeClients`; the picks must be the same."""
