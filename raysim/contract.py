@@ -305,6 +305,10 @@ class Selection:
     config_section: ClassVar[Optional[str]] = None
     client_state: ClassVar[bool] = False
     """True: the client methods it runs (`on="selection"`) keep `client.state` between rounds."""
+    uniform_draw: ClassVar[bool] = False
+    """True: `select(rnd, 1, rng)` is `available[rng.choice(len(available), 1, replace=False)[0]]`,
+    so an asynchronous run may draw its index without listing `available` per arrival
+    (runtime/asynchronous.py, `FreeClients`)."""
 
     def __init__(self, cfg: DictConfig, num_clients: int, num_classes: int):
         self.cfg = cfg

@@ -147,11 +147,9 @@ class InFlight:
         self.pending: list[Flight] = []  # started, not sent yet
         self.epochs = int(server.cfg.local.epochs)  # read once: an OmegaConf lookup per client adds up
         self.sizes: dict[int, int] = {}
-        # uniform selection of always-online clients: drawn from `FreeClients`, the same draw
-        # the selection makes from the list of them (`pick`), without listing them per arrival
-        from raysim.algorithms.uniform import UniformSelection
-
-        self.fast = type(server.selection) is UniformSelection and server.clock.online.mode == "always"
+        # a uniform draw among always-online clients (`Selection.uniform_draw`): from `FreeClients`,
+        # the same draw the selection makes from the list of them (`pick`), without listing them
+        self.fast = server.selection.uniform_draw and server.clock.online.mode == "always"
         self.free: Optional[FreeClients] = None
 
     def __len__(self) -> int:

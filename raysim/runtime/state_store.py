@@ -31,21 +31,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from raysim.runtime.wire import Packed
+from raysim.training import nbytes
 
 COMPACT_BYTES = 256 * 2**20
-
-
-def state_bytes(state: Any) -> int:
-    """Bytes of a packed state's arrays (what it costs in memory, near enough)."""
-    if isinstance(state, Packed):
-        return state.array.nbytes
-    if isinstance(state, np.ndarray):
-        return state.nbytes
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return 64  # a number or a string
 
 
 def owned(state: Any) -> Any:
@@ -146,7 +134,7 @@ class ClientStates:
         """Keep `state` as client `cid`'s (a copy of any array that maps Ray's buffers)."""
         self._forget(cid)
         state = owned(state)
-        size = state_bytes(state)
+        size = nbytes(state)
         self._memory[cid], self._sizes[cid] = state, size
         self._held += size
         while self._held > self.memory_bytes and len(self._memory) > 1:

@@ -127,6 +127,8 @@ from raysim.registry import SELECTIONS  # noqa: E402
 
 @SELECTIONS.register("test_uniform_listed")
 class UniformListed(UniformSelection):
-    """Uniform selection, as a subclass: asynchronous runs list the free clients for it on
-    every arrival (runtime/asynchronous.py's general path), where `random` itself draws from
+    """Uniform selection that does not declare `uniform_draw`: asynchronous runs list the free
+    clients for it on every arrival (runtime/asynchronous.py's general path), where `random` draws from
     `FreeClients`; the picks must be the same."""
+
+    uniform_draw = False
