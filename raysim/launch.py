@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from typing import Callable, Optional
 
 from omegaconf import OmegaConf
@@ -186,6 +187,109 @@ class SessionServers:
             ray.kill(server)  # and the client actors it owns
 
 
+class HereServers:
+    """The server in the caller's process (the command line on a local Ray it started): one
+    process fewer than `SessionServers`' actor (~400 MB and a torch import: a cold command's
+    round 1 came ~4 s sooner on 2 cores, benchmarks/startup.py), and torch was imported
+    already, by the config's check, while Ray started (`CheckHere`). Its calls run one at a
+    time on a thread of their own, as an actor's would, so the caller's main thread stays
+    free for Ctrl-C; the client actors are this process's, and go with its Ray."""
+
+    def take(self, reuse: bool, name: str, say: Say):
+        from raysim.runtime.server_actor import ServerHost
+
+        say("the server runs in this process; it loads and partitions the data while the client actors start")
+        return InProcess(ServerHost())
+
+    def give_back(self, server, keep: bool, plugins) -> None:
+        server.close()
+
+
+class ServerRaised(Exception):
+    """An `InProcess` server's call raised `cause` (Ray's `RayTaskError` for an actor's)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.traceback_str = "".join(traceback.format_exception(cause))
+
+
+class InProcess:
+    """An object's methods called as an actor's: `obj.method.remote(*args)` runs the call on
+    this host's one thread, in order, and returns a `Future` (`awaited` takes it as a ref)."""
+
+    def __init__(self, obj):
+        import queue
+
+        self._obj, self._calls = obj, queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="raysim-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            future, name, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(getattr(self._obj, name)(*args))
+                except BaseException as e:  # noqa: BLE001  (the caller's awaited raises it, as Ray would)
+                    future.set_exception(ServerRaised(e))
+
+    def __getattr__(self, name: str):
+        from concurrent.futures import Future
+
+        host = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                future = Future()
+                host._calls.put((future, name, args))
+                return future
+        return _Method
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the run's client actors once the call in hand (if any) has ended, within
+        `timeout` s; the thread ends then."""
+        done = self.stop_actors.remote()
+        self._calls.put(None)
+        with contextlib.suppress(Exception):
+            done.result(timeout=timeout)
+
+
+class CheckHere(CheckApart):
+    """`CheckApart`'s check on a thread of this process instead of a forked child, for a
+    command that will host the server itself (`HereServers`): the check's torch import,
+    done while Ray starts, is then the server's. `fileno` turns readable when it is done."""
+
+    def __init__(self, layers: list):
+        from raysim.runtime import determinism
+
+        determinism.before_cuda()  # this process may run CUDA work: before torch starts cuBLAS
+        self._answer, self.lines = None, []
+        self._read, self._write = os.pipe()
+        self._pid = None
+        self._thread = threading.Thread(target=self._check, args=(layers,), name="raysim-check", daemon=True)
+        self._thread.start()
+
+    def _check(self, layers: list) -> None:
+        self._result = self._in_process(layers)
+        if self._result[0] == "ok":
+            with contextlib.suppress(Exception):  # the server's code and torch, while Ray still starts
+                import raysim.runtime.server  # noqa: F401
+        os.write(self._write, b"1")
+
+    def answer(self):
+        if self._answer is None:
+            self._thread.join()
+            os.close(self._read)
+            os.close(self._write)
+            self._answer = self._result
+        return super().answer()
+
+
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
            server_name: str = "raysim-server", servers=None, size_store: bool = False) -> dict:
     """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
@@ -249,7 +353,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             raise
         raise ServerDied(f"the server process died in the run's middle ({first_line(e)[:120]}); "
                          f"`python -m raysim.run resume={run_dir}` continues it from its last checkpoint") from None
-    except ray.exceptions.RayTaskError as e:
+    except (ray.exceptions.RayTaskError, ServerRaised) as e:
         flush(server)
         known = e.cause if isinstance(e.cause, Exception) and _is_ours(e.cause) else None
         # the processes are fit for another run after a clean stop: the data checks refused
@@ -309,7 +413,7 @@ def flush(server) -> None:
     import ray
 
     try:
-        ray.get(server.flush.remote(), timeout=30)
+        awaited(server.flush.remote(), timeout=30)
     except Exception:
         pass
 
@@ -323,7 +427,7 @@ def failure_message(e, run_dir: Optional[str]) -> str:
     (the plugin's or algorithm's own line)."""
     from ray.exceptions import RayTaskError
 
-    inner = e
+    inner = e.cause if isinstance(e, ServerRaised) and isinstance(e.cause, RayTaskError) else e
     while isinstance(getattr(inner, "cause", None), RayTaskError):
         inner = inner.cause
     cause = getattr(inner, "cause", None) or inner
@@ -340,15 +444,27 @@ def failure_message(e, run_dir: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def awaited(ref):
+def awaited(ref, timeout: Optional[float] = None):
     """`ray.get(ref)`, waiting in steps of 0.2 s: Ray 2.60's `ray.get` sits in C++ until the
     result is there, so a Ctrl-C or SIGTERM (`run._terminate`) met Python only when the
     server's call returned (the data loaded, the actors started: 10 s after the signal on 2
-    cores); between steps it is raised at once."""
+    cores); between steps it is raised at once. A `Future` (an `InProcess` server's call) is
+    waited for the same way. Past `timeout` s: `TimeoutError`."""
+    from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+    end = None if timeout is None else time.time() + timeout
+    if isinstance(ref, Future):
+        while True:
+            try:
+                return ref.result(timeout=0.2)
+            except FutureTimeout:
+                if end is not None and time.time() > end:
+                    raise TimeoutError from None
     import ray
 
     while not ray.wait([ref], timeout=0.2)[0]:
-        pass
+        if end is not None and time.time() > end:
+            raise TimeoutError
     return ray.get(ref)
 
 

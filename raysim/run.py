@@ -21,7 +21,8 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
-from raysim.launch import Interrupted, RunFailed, ServerDied, StoreTooSmall, launch, quiet, say_on_stderr
+from raysim.launch import (HereServers, Interrupted, RunFailed, ServerDied, StoreTooSmall, launch, quiet,
+                           say_on_stderr)
 from raysim.runtime.ray_session import Meanwhile, start_ray
 
 
@@ -133,6 +134,8 @@ def _main(args, say, t_start: float) -> int:
             cfg, servers = _check_on_service(layers, addr, say, on_service)
         else:
             layers, cfg, started = _check_while_ray_starts(args, say)
+            if started:  # a local Ray of this command's own: the server runs here (launch.HereServers)
+                servers = HereServers()
     except (ConfigError, NothingToDo, RunFailed) as e:
         on_service.close()
         return _said(e)
@@ -153,7 +156,7 @@ def _main(args, say, t_start: float) -> int:
             ray.shutdown()
             cfg.ray.object_store_gb = e.size / 2**30
             started = start_ray(cfg.ray, say, command=True)
-            summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say)
+            summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=HereServers())
     except ConfigError as e:  # raised by the server while checking the data, before anything is written
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -205,11 +208,13 @@ def _check_while_ray_starts(args, say) -> tuple:
     error the only line (the progress lines are held until the check has passed)."""
     from raysim.config import read_layers
     from raysim.config.layers import ray_section
-    from raysim.launch import CheckApart
+    from raysim.launch import CheckApart, CheckHere
 
     layers = read_layers(args.config, args.overrides)
-    checking = CheckApart(layers)
     ray_cfg = ray_section(layers)
+    # a local Ray: the server will run in this process, which imports torch for the check
+    # while Ray starts; a joined cluster's server is an actor there, so the check's torch goes
+    checking = CheckHere(layers) if ray_cfg is not None and not ray_cfg.address else CheckApart(layers)
     if ray_cfg is None or checking.fileno() is None:  # the whole check first: it says what is wrong
         ray_cfg = checking.answer().ray
     held = _Held()

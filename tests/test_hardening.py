@@ -83,12 +83,19 @@ def _cmd(p: psutil.Process) -> str:
         return ""
 
 
+def _wait_for_checkpoint(p, run: Path) -> None:
+    deadline = time.time() + 150
+    while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert (run / "checkpoint.pt").exists(), p.communicate(timeout=30)[1][-3000:]
+
+
 @pytest.mark.slow
-def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_local, tmp_path):
+def test_local_run_is_loopback_only_unshadowed_and_survives_its_killed_command(ray_local, tmp_path):
     """One local run from a folder holding its own `algorithms/` package: its Ray listens on
-    loopback only; one actor per client fits 2 CPUs (fractional shares); killing the driver
-    ends the CLI with one line naming `resume=`, which then finishes the run (here on the
-    test session's Ray)."""
+    loopback only; one actor per client fits 2 CPUs (fractional shares); the server runs in
+    the command's own process (no server actor); the command killed outright mid-run, its
+    `resume=` finishes the run (here on the test session's Ray)."""
     (tmp_path / "algorithms").mkdir()
     marker = tmp_path / "SHADOWED"
     (tmp_path / "algorithms" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
@@ -99,10 +106,7 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_lo
     p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args, "rounds=200"], cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 150
-        while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert (run / "checkpoint.pt").exists(), p.communicate(timeout=30)[1][-3000:]
+        _wait_for_checkpoint(p, run)
         procs = _tree(p.pid)
         listening = set()
         for proc in procs:
@@ -112,9 +116,33 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_lo
                 pass
         assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
         assert sum("ray::ClientActor" in _cmd(q) for q in procs) == 4  # 4 actors on 2 CPUs: 0.5 CPU each
-        driver = [q for q in procs if _cmd(q).startswith("ray::ServerActor")]
-        assert len(driver) == 1
-        driver[0].send_signal(signal.SIGKILL)
+        assert not any(_cmd(q).startswith("ray::ServerActor") for q in procs)  # the server is the command's
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert main([f"resume={run}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"]) == 0
+    assert (run / "model.pt").exists()
+    assert not marker.exists()  # the folder named `algorithms` was never imported
+
+
+@pytest.mark.slow
+def test_a_dead_server_actor_is_one_line_that_says_how_to_resume(ray_local, tmp_path):
+    """A command that joins a Ray (`ray.address`) runs its server as an actor there; that
+    actor's process killed mid-run ends the command with one line naming `resume=`."""
+    run = tmp_path / "runs" / "r"
+    address = ray_local.get_runtime_context().gcs_address
+    args = [*SMALL, "num_clients=4", "participation=1.0", "plugins=[stateful_plugin]",
+            "algorithm=test_slow_state_counter", f"ray.address={address}", "checkpoint_every=1",
+            f"output_dir={tmp_path / 'runs'}", "run_name=r", "rounds=200"]
+    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(p, run)
+        server = [q for q in psutil.process_iter() if _cmd(q).startswith("ray::ServerActor")]
+        assert len(server) == 1
+        server[0].send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
@@ -123,9 +151,6 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_a_dead_driver(ray_lo
     lines = err.strip().splitlines()
     assert lines[-1].startswith("error: the server process died") and f"resume={run}" in lines[-1], err[-2000:]
     assert sum(line.startswith("error") for line in lines) == 1 and "Traceback" not in err
-    assert main([f"resume={run}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"]) == 0
-    assert (run / "model.pt").exists()
-    assert not marker.exists()  # the folder named `algorithms` was never imported
 
 
 def test_ray_that_cannot_start_is_one_line(tmp_path):

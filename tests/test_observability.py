@@ -96,7 +96,7 @@ def test_a_run_is_in_the_dashboards_actors_view_and_in_a_real_prometheus(tmp_pat
         page.wait_for_text("Token", timeout=60)  # "Authentication Token Required"
         page.type_into("input[type=password]", Path(token_file).read_text().strip())  # the prompt's field
         page.press_enter()
-        text = page.wait_for_text("raysim-server", "raysim-client-0.watched", timeout=90)
+        text = page.wait_for_text("raysim-client-0.watched", "raysim-client-1.watched", timeout=90)
         assert "ALIVE" in text
         if shots:
             page.screenshot(Path(shots) / "dashboard-actors.png")

@@ -27,12 +27,30 @@ def before_cuda() -> None:
 
 def apply(on: bool) -> None:
     """Deterministic kernels on (`determinism=true`) or the fastest ones (cuDNN's autotuner,
-    nondeterministic algorithms allowed); can be switched between runs of one process."""
+    nondeterministic algorithms allowed); can be switched between runs of one process.
+
+    `torch.use_deterministic_algorithms` (torch 2.14) imports TorchInductor to set one flag
+    of its config: 1.7-2.3 s of CPU and 149 MB in every process that calls it (each client
+    actor and the server: ~3 s of a cold command's start on 2 cores, and most of its memory
+    above Flower's). raysim compiles nothing, so the flag is set the way Inductor reads it
+    when it is first imported (its environment variable), or on its config where a plugin
+    imported it already, and torch's switch itself is set directly."""
     import torch
 
-    torch.use_deterministic_algorithms(bool(on), warn_only=True)
+    _deterministic_algorithms(torch, bool(on))
     torch.backends.cudnn.deterministic = bool(on)
     torch.backends.cudnn.benchmark = not on
+
+
+def _deterministic_algorithms(torch, on: bool) -> None:
+    import sys
+
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None or "torch._inductor.config" in sys.modules:  # another torch, or Inductor loaded: torch's way
+        torch.use_deterministic_algorithms(on, warn_only=True)
+        return
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if on else "0"  # read by Inductor's config when imported
+    switch(on, warn_only=True)
 
 
 def settings() -> dict:

@@ -1,11 +1,16 @@
-"""The named server actor, `raysim-server`, as the CLI sees it.
+"""The server's host: `ServerHost`, and the named server actor, `raysim-server`, made of it.
 
-A thin shell: the actor process starts without torch; `start_clients`, the driver's first
+A thin shell: the process starts without torch; `start_clients`, the driver's first
 call, starts the run's client actors at once (their processes import torch while this one
 does); `setup` imports `raysim.runtime.server`, makes a new `FederatedServer` for each run
 (a finished run's server serves the next run of the session: runtime/pool.py), and every
 other call is handed to it. The CLI sends the config layers (plain dicts), which the server
 resolves again in its own process.
+
+The command line on a local Ray it started hosts the server in its own process
+(`launch.HereServers`: one process fewer, the check's torch import reused); the service,
+`raysim.simulate`, sweeps and a joined cluster use the actor (`ServerActor`), whose process
+Ray places and can restart apart from the caller's.
 """
 from __future__ import annotations
 
@@ -18,8 +23,7 @@ import ray
 from raysim.errors import ConfigError, RunDiverged
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
-class ServerActor:
+class ServerHost:
     def __init__(self):
         self.server = None
         self.started = None  # what start_clients started for the coming setup, or why it could not
@@ -82,6 +86,11 @@ class ServerActor:
         self.server = FederatedServer(t_start)
         return self.server.setup(layers, cwd, started)
 
+    def stop_actors(self) -> None:
+        """Stop the client actors of the run in hand (an in-process server's end, launch.InProcess)."""
+        if self.server is not None:
+            self.server.stop_actors()
+
     def placed(self, timeout: float) -> int:
         return self.server.placed(timeout)
 
@@ -108,3 +117,6 @@ class ServerActor:
 
     def actor_info(self) -> list:
         return self.server.actor_info()
+
+
+ServerActor = ray.remote(num_cpus=0, max_restarts=0)(ServerHost)
