@@ -4,6 +4,7 @@ torch loop of throughput.py doing the same work in one process.
 
     python benchmarks/scale.py                              # all of it (~5 min on 2 cores)
     python benchmarks/scale.py --clients 100 1000 --actors 1 2
+    python benchmarks/scale.py --clients --actors --cohort-clients --state-clients   # the FedBuff table alone
 
 Every configuration runs as fresh processes (`python -m raysim.run ...` with its own local
 Ray, and the sequential loop), with the summed RSS of each process tree sampled every
@@ -111,6 +112,36 @@ def run_cohort(n: int) -> dict:
             "samples": summary.get("train_samples"), "peak": peak}
 
 
+# issue 58: asynchronous rounds at scale: FedBuff keeping 1,000 clients in flight, a buffer of 100
+ASYNC = [*SMALL[:-4], "algorithm=fedbuff", "fedbuff.concurrency=1000", "fedbuff.buffer=100", "local.batch_size=10",
+         "local.lr=0.01", "local.momentum=0", "rounds=8"]
+
+
+def run_async(n: int) -> dict:
+    """One FedBuff run with `n` clients: the median round (a buffer of 100 arrivals) after
+    the first, per update, and the part of it that is not the clients' own training (what
+    the server does per arrival: pick, send, fold, record)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", *ASYNC, f"num_clients={n}", "eval_every=8",
+               f"output_dir={tmp}", "run_name=r"]
+        r, peak = tp.run_measured(cmd, _env())
+        if r.returncode != 0:
+            raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
+        d = Path(tmp) / "r"
+        rows = pq.read_table(d / "metrics.parquet").to_pylist()
+        clients = pq.read_table(d / "clients.parquet").to_pylist()
+        actors = int((d / "log.txt").read_text().split(" client actors")[0].split()[-1])
+    work = {row["round"]: 0.0 for row in rows}
+    for c in clients:
+        work[c["round"]] += c["seconds"] or 0.0
+    later = rows[1:]
+    per_update = [row["seconds"] / row["clients"] for row in later]
+    overhead = [(row["seconds"] - work[row["round"]] / actors) / row["clients"] for row in later]
+    return {"round_seconds": statistics.median(row["seconds"] for row in later),
+            "per_update": statistics.median(per_update), "overhead_per_update": statistics.median(overhead),
+            "updates_per_round": later[0]["clients"], "peak_rss": peak[0]}
+
+
 TEST_DATA = ("x_test", "y_test", "local_tests")  # the evaluation data (global and the clients' own): data
 
 
@@ -155,6 +186,8 @@ def main() -> int:
                    help="N for the 1,000-per-round vectorised scale table (issue 30)")
     p.add_argument("--state-clients", nargs="*", type=int, default=[1000, 10000, 100000],
                    help="N for the server's state by part (bytes per idle client; issue 30)")
+    p.add_argument("--async-clients", nargs="*", type=int, default=[1000, 10000, 100000],
+                   help="N for FedBuff with 1,000 clients in flight (per-update cost; issue 58)")
     p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args()
@@ -219,6 +252,22 @@ def main() -> int:
         last = results["cohort"][args.cohort_clients[-1]]["breakdown"]
         print(f"round breakdown at {args.cohort_clients[-1]} clients (median s): "
               + ", ".join(f"{k} {v:.4f}" for k, v in last.items()))
+    if args.async_clients:
+        print("\n== asynchronous scale: FedBuff, mclr on FedProx Synthetic (25 samples/client), 1,000 clients in "
+              "flight, a round = a buffer of 100 arrivals, 8 rounds")
+        print(f"{'clients':>8} {'s/round':>8} {'ms/update':>10} {'server ms/update':>17} {'vs first':>9} "
+              f"{'peak RSS MB':>12}")
+        results["async"] = {}
+        first = None
+        for n in args.async_clients:
+            r = run_async(n)
+            results["async"][n] = r
+            first = first or r["per_update"]
+            print(f"{n:>8} {r['round_seconds']:>8.3f} {r['per_update'] * 1e3:>10.3f} "
+                  f"{r['overhead_per_update'] * 1e3:>17.3f} {r['per_update'] / first:>8.2f}x "
+                  f"{r['peak_rss'] / 2**20:>12.0f}", flush=True)
+        print("(ms/update: a round's time over its updates; server ms/update: less the clients' own training "
+              "time over the actors)")
     if args.state_clients:
         ns = args.state_clients
         print("\n== the server's state by part after a 2-round cohort run (as above), bytes "

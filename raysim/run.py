@@ -367,5 +367,23 @@ def process_start() -> float:
         return psutil.Process().create_time()
 
 
+def exit_now(code: int) -> None:
+    """End the command once its work is done, without the interpreter's teardown: with torch
+    loaded that took 1.2-1.5 s on 2 cores (module by module), after every file was written
+    and every line said. What teardown would do that matters is done here first: output
+    flushed, a joined Ray left (`ray.shutdown`; a local one was stopped already), logs closed."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(t_start=process_start()))
+    exit_now(main(t_start=process_start()))

@@ -87,7 +87,9 @@ def _wait_for_checkpoint(p, run: Path) -> None:
     deadline = time.time() + 150
     while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert (run / "checkpoint.pt").exists(), p.communicate(timeout=30)[1][-3000:]
+    if not (run / "checkpoint.pt").exists():
+        p.kill()
+        raise AssertionError(p.communicate(timeout=30)[1][-3000:])
 
 
 @pytest.mark.slow
@@ -117,6 +119,8 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_its_killed_command(r
         assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
         assert sum("ray::ClientActor" in _cmd(q) for q in procs) == 4  # 4 actors on 2 CPUs: 0.5 CPU each
         assert not any(_cmd(q).startswith("ray::ServerActor") for q in procs)  # the server is the command's
+        daemons = " ".join(_cmd(q) for q in procs)  # the Dashboard off: no autoscaler or log monitor
+        assert "raylet" in daemons and "log_monitor.py" not in daemons and "_private/monitor.py" not in daemons
         p.send_signal(signal.SIGKILL)
         p.communicate(timeout=60)
     finally:
@@ -131,10 +135,14 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_its_killed_command(r
 def test_a_dead_server_actor_is_one_line_that_says_how_to_resume(ray_local, tmp_path):
     """A command that joins a Ray (`ray.address`) runs its server as an actor there; that
     actor's process killed mid-run ends the command with one line naming `resume=`."""
+    from raysim.runtime import pool
+
+    pool.release()  # the actors earlier tests' runs left to this session's Ray hold its CPUs
     run = tmp_path / "runs" / "r"
     address = ray_local.get_runtime_context().gcs_address
     args = [*SMALL, "num_clients=4", "participation=1.0", "plugins=[stateful_plugin]",
             "algorithm=test_slow_state_counter", f"ray.address={address}", "checkpoint_every=1",
+            "resources.num_actors=1",  # beside what earlier tests left on the session's Ray
             f"output_dir={tmp_path / 'runs'}", "run_name=r", "rounds=200"]
     p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args], cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -262,6 +262,7 @@ def test_stopping_says_how_to_resume_and_leaves_no_ray_processes(tmp_path, how):
     while not (tmp_path / "stop" / "checkpoint.pt").exists() and time.time() < deadline:
         time.sleep(0.2)
     tree = _ray_tree(p.pid)
+    daemons = " ".join(" ".join(c.cmdline()) for c in tree if c.is_running())
     assert any("raylet" in " ".join(c.cmdline()) for c in tree if c.is_running())
     os.kill(p.pid, how)
     rest = p.stderr.read()
@@ -272,6 +273,8 @@ def test_stopping_says_how_to_resume_and_leaves_no_ray_processes(tmp_path, how):
         assert f"resume={tmp_path / 'stop'}" in rest and "Traceback" not in rest and "SIGABRT" not in rest, rest
     if how == signal.SIGTERM:
         assert any("dashboard: http://127.0.0.1:" in line for line in err), err
+        # with the Dashboard on, the daemons its views read run too (ray_session.without_cluster_daemons)
+        assert "log_monitor.py" in daemons
     deadline = time.time() + 20
     while time.time() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in tree):
         time.sleep(0.5)

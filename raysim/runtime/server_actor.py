@@ -119,4 +119,8 @@ class ServerHost:
         return self.server.actor_info()
 
 
-ServerActor = ray.remote(num_cpus=0, max_restarts=0)(ServerHost)
+class ServerActor(ServerHost):
+    """The Ray actor (its processes are named `ray::ServerActor`)."""
+
+
+ServerActor = ray.remote(num_cpus=0, max_restarts=0)(ServerActor)  # noqa: F811
