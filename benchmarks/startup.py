@@ -7,13 +7,14 @@ of round 1, phase by phase, next to a plain torch loop's start on the same work.
 Each run is a fresh process. The CLI stamps every start-up line with the seconds since the
 process started; the phases are the gaps between them:
   imports            process start -> "starting a local Ray" (Python, raysim's CLI, the YAML read)
-  Ray start + check  -> "starting the server" (ray.init of a local Ray; meanwhile a forked child
-                        imports torch and the registry and checks the config: its end is shown
-                        as "(check ended at)", since the two overlap)
-  server + data      -> "data ready" (the driver actor starts and imports torch; it loads and
-                        partitions the data while the client actors start)
+  Ray start + check  -> "the server runs in this process" (ray.init of a local Ray; meanwhile
+                        a thread imports torch, the registry and the server's code and checks
+                        the config: its end is shown as "(check ended at)", since the two overlap)
+  data               -> "data ready" (the server, in the command's process, starts the client
+                        actors, then loads and partitions the data while they import torch)
   client actors      -> "run directory" (the client actors are placed and have imported torch)
   round 1            -> summary.json's seconds_to_end_of_round_1
+  command wall       -> the command's exit (the rest of the rounds, the files, Ray stopped)
 A plain loop (this file with --plain) pays only its imports and data before its round 1.
 Then the same workload through `raysim.simulate` in one Python process, call after call: the
 first call starts Ray and the workers, the later ones reuse them (`ray.reuse_workers`), which
@@ -40,8 +41,8 @@ SYNTH = ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.tes
          "model=mclr", "num_clients=100", "clients_per_round=20", "local.epochs=1", "local.batch_size=10",
          "local.lr=0.01", "local.momentum=0", "rounds=2"]
 WORKLOADS = {"default": ["rounds=2"], "mclr": SYNTH}
-MARKS = [("imports", "starting a local Ray"), ("Ray start + check", "starting the server"),
-         ("server + data", "data ready"), ("client actors", "run directory")]
+MARKS = [("imports", "starting a local Ray"), ("Ray start + check", "the server runs in this process"),
+         ("data", "data ready"), ("client actors", "run directory")]
 AT = {"(check ended at)": "config:"}  # moments shown as they are, not as a phase
 STAMP = re.compile(r"raysim \[\s*([\d.]+) s\] (.*)")
 

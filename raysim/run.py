@@ -1,9 +1,11 @@
 """`python -m raysim.run`: the command-line entry point, a thin layer over `raysim.launch`
 (which `raysim.simulate` uses too).
 
-It checks everything that needs no data in a forked child while it starts a local Ray on
-loopback only or joins `ray.address` (a typo ends the command as soon as the check finds it,
-~3 s, with Ray stopped), and drives the run, printing
+It checks everything that needs no data while it starts a local Ray on loopback only (on a
+thread, whose torch import then serves the server, which runs in this process:
+`launch.HereServers`) or joins `ray.address` (in a forked child; the server is an actor
+there); a typo ends the command as soon as the check finds it, ~3 s, with Ray stopped. It
+drives the run, printing
 start-up progress, a progress bar and where the results are. Exit codes: 2 bad input
 (nothing written), 3 a diverged run, 1 a failure in an algorithm's or plugin's code or a
 dead server, 130 Ctrl-C or SIGTERM (both say how to resume); a local Ray we started is

@@ -292,6 +292,8 @@ def test_uniform_picks_from_the_free_clients_tree_are_the_listed_picks(ray_local
     model, bit for bit (with dropouts and a resume in the first run)."""
     common = [f"algorithm={algorithm}", "dataset=digits", "model=mclr", "num_clients=40", "rounds=6",
               "system.dropout=0.2", "checkpoint_every=3", "plugins=[stateful_plugin]", f"output_dir={tmp_path}",
+              # newcomers in rounds 2 and 3: the tree is made again then (and after the resume), carried over
+              "clients.join.fraction=0.25", "clients.join.round=2", "clients.join.over=2",
               "--quiet"]
     assert main([*common, "selection=random", "rounds=3", "run_name=tree"]) == 0
     assert main([f"resume={tmp_path / 'tree'}", "rounds=6", "plugins=[stateful_plugin]", "--quiet"]) == 0
@@ -301,3 +303,19 @@ def test_uniform_picks_from_the_free_clients_tree_are_the_listed_picks(ray_local
     assert rows["tree"] == rows["listed"] and any(s == "dropped" for _, _, s in rows["tree"])
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("tree", "listed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_clients_there_are_listed_once_until_more_join():
+    """`Availability.available` hands out one list per set of clients there (an asynchronous
+    run at 100,000 clients listed them every round), the right clients each round."""
+    from raysim.config import load_config
+    from raysim.world.availability import Availability
+
+    cfg = load_config(overrides=["num_clients=12", "clients.join.fraction=0.5", "clients.join.round=3",
+                                 "clients.join.over=2"])
+    there = Availability(cfg, 12)
+    lists = [there.available(r) for r in range(1, 7)]
+    for r, listed in enumerate(lists, start=1):
+        assert listed == [c for c in range(12) if there.joins[c] <= r]
+    assert lists[0] is lists[1] and lists[2] is not lists[1] and lists[3] is not lists[2] and lists[4] is lists[3]
+    assert [len(x) for x in lists] == [6, 6, 9, 12, 12, 12]

@@ -163,9 +163,14 @@ class InFlight:
         flight (None when there is none)."""
         s = self.server
         if self.round is None or self.round[0] != rnd:  # a round's picks draw in turn from one stream
-            self.round = (rnd, s.availability.available(rnd), s.rng(rnd, 1000))
+            there = s.availability.available(rnd)
+            if self.fast and self.free is not None and self.round[1] is there:
+                for cid in self.dropped:  # the same clients there: the last round's free set, its dropouts back
+                    self.free.set(cid, True)  # (a dropout is never in flight)
+            else:  # O(clients there): once, and again when clients join
+                self.free = FreeClients(there, self.cids()) if self.fast else None
+            self.round = (rnd, there, s.rng(rnd, 1000))
             self.dropped = set()
-            self.free = FreeClients(self.round[1], self.cids()) if self.fast else None
         if self.free is not None:  # as UniformSelection.select on the list of free clients: same draw
             if not self.free.count:
                 return None

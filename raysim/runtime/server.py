@@ -234,7 +234,7 @@ class FederatedServer:
     # ------------------------------------------------------------------ round loop
     def step(self, rnd: int) -> dict:
         """Run round `rnd` and, when due, evaluate; returns the round's metrics row."""
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.thread_time()
         record, d = self.record, self.dispatch
         record.new_round()
         self._selected = None
@@ -264,7 +264,7 @@ class FederatedServer:
             self.stop_early(rnd, "actors_lost", ActorsLost, f"{e}. `python -m raysim.run resume={self.run_dir}` "
                             + (f"continues from its checkpoint of round {last}" if last else
                                "starts it again (no checkpoint yet: checkpoint_every)"))
-        t_train = time.time() - t0
+        t_train, cpu_train = time.time() - t0, time.thread_time() - cpu0
         models = self.algorithm.eval_models()
         self._check_finite(rnd, extra, models)
         if self.cfg.eval.tau_norm:  # tau-normalised classifiers, for evaluation only
@@ -320,6 +320,8 @@ class FederatedServer:
             # payload, aggregating) = the rest; then evaluation
             **{f"{k}_seconds": v for k, v in timing.items()},
             "aggregate_seconds": max(0.0, t_train - sum(timing.values())),
+            # the server's own CPU in the round (its thread's: waiting for clients is not counted)
+            "server_cpu_seconds": cpu_train,
             "eval_seconds": time.time() - t0 - t_train,
         })
         warnings = self._round_warnings(rnd, row, there, calls)

@@ -28,10 +28,18 @@ class Availability:
             late = np.sort(np.random.default_rng([int(cfg.seed), 6]).choice(num_clients, n_late, replace=False))
             for i, batch in enumerate(np.array_split(late, int(j.over))):
                 self.joins[batch] = int(j.round) + i
+        self.join_rounds = np.unique(self.joins)  # the rounds in which the set of clients there grows
+        self._listed: tuple = (None, None)  # (how many join rounds have passed, the list of the clients there)
 
     def available(self, rnd: int) -> list[int]:
-        """The clients there in round `rnd`, sorted."""
-        return np.flatnonzero(self.joins <= rnd).tolist()
+        """The clients there in round `rnd`, sorted. The same list object for every round
+        until the next clients join (callers read it, never change it): listing 100,000
+        clients took ~4 ms a round, ~0.04 ms per update of an asynchronous run's round of
+        100, and asynchronous runs compare it by identity (`InFlight.pick`)."""
+        passed = int(np.searchsorted(self.join_rounds, rnd, side="right"))
+        if self._listed[0] != passed:
+            self._listed = (passed, np.flatnonzero(self.joins <= rnd).tolist())
+        return self._listed[1]
 
     def there(self, cid: int, rnd: int) -> bool:
         return bool(self.joins[cid] <= rnd)
