@@ -101,6 +101,7 @@ def run_cohort(n: int) -> dict:
         r, _ = tp.run_measured(cmd, _env(), by_role=peak)
         if r.returncode != 0:
             raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
+        peak["server"] = peak["server"] or peak["command"]  # since issue 58 the command hosts its server
         d = Path(tmp) / "r"
         rows = pq.read_table(d / "metrics.parquet").to_pylist()
         summary = json.loads((d / "summary.json").read_text())

@@ -215,8 +215,11 @@ def _check_while_ray_starts(args, say) -> tuple:
     layers = read_layers(args.config, args.overrides)
     ray_cfg = ray_section(layers)
     # a local Ray: the server will run in this process, which imports torch for the check
-    # while Ray starts; a joined cluster's server is an actor there, so the check's torch goes
-    checking = CheckHere(layers) if ray_cfg is not None and not ray_cfg.address else CheckApart(layers)
+    # while Ray starts; a joined cluster's server is an actor there, so the check's torch goes.
+    # With torch loaded already (`main` called in a Python session) the check is quick and
+    # runs first, here (CheckApart does so), and no bad config can end the caller's process.
+    here = ray_cfg is not None and not ray_cfg.address and "torch" not in sys.modules
+    checking = CheckHere(layers) if here else CheckApart(layers)
     if ray_cfg is None or checking.fileno() is None:  # the whole check first: it says what is wrong
         ray_cfg = checking.answer().ray
     held = _Held()
