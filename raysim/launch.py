@@ -189,9 +189,9 @@ class SessionServers:
 
 class HereServers:
     """The server in the caller's process (the command line on a local Ray it started): one
-    process fewer than `SessionServers`' actor (~400 MB and a torch import: a cold command's
-    round 1 came ~4 s sooner on 2 cores, benchmarks/startup.py), and torch was imported
-    already, by the config's check, while Ray started (`CheckHere`). Its calls run one at a
+    process fewer than `SessionServers`' actor (its torch import, ~4 s of CPU on 2 cores that
+    day, and ~400 MB), and torch was imported already, by the config's check, while Ray
+    started (`CheckHere`). Its calls run one at a
     time on a thread of their own, as an actor's would, so the caller's main thread stays
     free for Ctrl-C; the client actors are this process's, and go with its Ray."""
 
@@ -202,7 +202,9 @@ class HereServers:
         return InProcess(ServerHost())
 
     def give_back(self, server, keep: bool, plugins) -> None:
-        server.close()
+        # a stopped run (Ctrl-C while the data load): its Ray goes next, with the actors;
+        # what the call in hand leaves behind (a spill folder) the next run removes
+        server.close(timeout=30.0 if keep else 5.0)
 
 
 class ServerRaised(Exception):
@@ -410,8 +412,6 @@ def _is_ours(e: BaseException) -> bool:
 
 def flush(server) -> None:
     """Keep the metrics of the rounds that ran (a crash or Ctrl-C)."""
-    import ray
-
     try:
         awaited(server.flush.remote(), timeout=30)
     except Exception:
