@@ -170,12 +170,15 @@ def _role(q, top) -> str:
 
 def run_measured(cmd: list[str], env: dict, by_role: dict | None = None) -> tuple[subprocess.CompletedProcess, list]:
     """Run `cmd`, sampling the summed RSS (and with --pss the PSS) of it and its
-    descendants every 0.1 s; returns (result, [peak RSS, peak PSS]). RSS counts shared
-    pages (torch's libraries, the object store) once per process that maps them; PSS
-    splits them among those processes. `by_role`, when given, is filled with the peak
+    descendants every 0.1 s; returns (result, [peak RSS, peak PSS, peak system memory
+    used over what was used when it started]). RSS counts shared pages (torch's libraries,
+    the object store) once per process that maps them; PSS splits them among those
+    processes; the system's used memory (psutil's `used`, as `free` shows it) counts each
+    page once but not the page cache, nor shared memory (Ray's object store in /dev/shm). `by_role`, when given, is filled with the peak
     summed RSS of each of `ROLES`."""
+    idle = psutil.virtual_memory().used
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0, 0]
+    peak = [0, 0, 0]
     if by_role is not None:
         by_role.update(dict.fromkeys(ROLES, 0))
     done = threading.Event()
@@ -204,6 +207,7 @@ def run_measured(cmd: list[str], env: dict, by_role: dict | None = None) -> tupl
                 break
             peak[0] = max(peak[0], rss)
             peak[1] = max(peak[1], pss)
+            peak[2] = max(peak[2], psutil.virtual_memory().used - idle)
             if by_role is not None:
                 for k, v in roles.items():
                     by_role[k] = max(by_role[k], v)

@@ -173,7 +173,7 @@ def measure(name: str, flower_python: str) -> dict:
 
         rows = pq.read_table(Path(tmp) / "r" / "metrics.parquet").to_pylist()
         summary = json.loads((Path(tmp) / "r" / "summary.json").read_text())
-        res["raysim"] = {"round_seconds": [row["seconds"] for row in rows], "peak_rss": peak[0],
+        res["raysim"] = {"round_seconds": [row["seconds"] for row in rows], "peak_rss": peak[0], "peak_used": peak[2],
                          "seconds_to_end_of_round_1": summary["seconds_to_end_of_round_1"]}
     # the plain loop at 1,000 clients does the same work as at 100
     seq = {"mclr": "mclr", "cnn-1000-f32": "cnn-f32"}.get(name, "cnn")
@@ -181,12 +181,12 @@ def measure(name: str, flower_python: str) -> dict:
     r, peak = throughput.run_measured([sys.executable, str(HERE / "throughput.py"), "--sequential", seq], env)
     if r.returncode != 0:
         raise SystemExit(f"plain loop failed:\n{r.stderr[-3000:]}")
-    res["plain loop"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0])
+    res["plain loop"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0], peak_used=peak[2])
     os.sync()
     r, peak = throughput.run_measured([flower_python, str(Path(__file__).resolve()), "--flower", name], env)
     if r.returncode != 0:
         raise SystemExit(f"Flower failed:\n{r.stderr[-3000:]}")
-    res["Flower"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0])
+    res["Flower"] = dict(json.loads(r.stdout.strip().splitlines()[-1]), peak_rss=peak[0], peak_used=peak[2])
     for side in res.values():
         side["median_round_seconds"] = statistics.median(side["round_seconds"][1:] or side["round_seconds"])
     return res
@@ -198,9 +198,10 @@ def report(name: str, res: dict) -> str:
              f"{'':<34}" + "".join(f"{s:>14}" for s in sides) + f"{'raysim/Flower':>16}"]
     rows = [("median s/round after the first", "median_round_seconds", ".4f", lambda a, b: b / a),
             ("s from start to end of round 1", "seconds_to_end_of_round_1", ".2f", lambda a, b: b / a),
-            ("peak summed RSS (MB)", "peak_rss", ".0f", lambda a, b: b / a)]
+            ("peak summed RSS (MB)", "peak_rss", ".0f", lambda a, b: b / a),
+            ("peak system memory used (MB)", "peak_used", ".0f", lambda a, b: b / a)]
     for label, key, fmt, ratio in rows:
-        vals = [res[s][key] / (2**20 if key == "peak_rss" else 1) for s in sides]
+        vals = [res[s][key] / (2**20 if key.startswith("peak_") else 1) for s in sides]
         lines.append(f"{label:<34}" + "".join(f"{format(v, fmt):>14}" for v in vals)
                      + f"{ratio(vals[2], vals[1]):>15.2f}x")
     loop = res["plain loop"]["median_round_seconds"]
