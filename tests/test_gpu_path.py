@@ -133,3 +133,26 @@ def test_an_actors_clients_in_several_tasks_fold_to_the_same_bits(ray_local, tmp
     _, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 2))
     for r in rows:
         assert sorted((x["round"], x["cid"]) for x in r) == [(rnd, c) for rnd in (1, 2) for c in range(12)]
+
+
+def test_determinism_switch_sets_torchs_flags_without_importing_inductor():
+    """`determinism.apply` turns torch's deterministic switch on and off without importing
+    TorchInductor (149 MB and ~2 s of CPU in every process, torch 2.14); Inductor, imported
+    later, reads the same setting."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from raysim.runtime import determinism\n"
+            "determinism.apply(True)\n"
+            "assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()\n"
+            "assert 'torch._inductor' not in sys.modules, 'inductor imported'\n"
+            "determinism.apply(False)\n"
+            "assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark\n"
+            "determinism.apply(True)\n"
+            "import torch._inductor.config as c\n"
+            "assert c.deterministic is True\n"
+            "determinism.apply(False)\n"
+            "assert c.deterministic is False and not torch.are_deterministic_algorithms_enabled()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
