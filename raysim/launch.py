@@ -195,11 +195,23 @@ class HereServers:
     time on a thread of their own, as an actor's would, so the caller's main thread stays
     free for Ctrl-C; the client actors are this process's, and go with its Ray."""
 
+    def __init__(self, start_ray: Optional[Callable[[dict, Say], None]] = None):
+        """`start_ray`: no Ray was started yet; the server asks for it after the data when
+        its clients should not train in this process (runtime/here.py), and this starts it."""
+        self._start_ray = start_ray
+        self.ray_started = False
+
     def take(self, reuse: bool, name: str, say: Say):
         from raysim.runtime.server_actor import ServerHost
 
-        say("the server runs in this process; it loads and partitions the data while the client actors start")
+        say("the server runs in this process; it loads and partitions the data"
+            + (" while the client actors start" if self._start_ray is None else ""))
         return InProcess(ServerHost())
+
+    def start_ray(self, info: dict, say: Say) -> None:
+        say(f"starting Ray for client actors: {info['start_ray']}")
+        self._start_ray(info, say)
+        self.ray_started = True
 
     def give_back(self, server, keep: bool, plugins) -> None:
         # a stopped run (Ctrl-C while the data load): its Ray goes next, with the actors;
@@ -319,14 +331,20 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     keep = False
     try:
         info = awaited(server.setup.remote(layers, os.getcwd(), t_start))
+        if info.get("start_ray"):  # no Ray yet, and the clients should not train here (runtime/here.py)
+            servers.start_ray(info, say)
+            info = awaited(server.attach.remote())
         if size_store:
             size = store_size_for_this_machine(info["data_bytes"], info["store_bytes"])
             if size is not None:
                 raise StoreTooSmall(size, info["data_bytes"], info["store_bytes"])
         if info.get("notice"):
             print(f"note: {info['notice']}", file=sys.stderr)
-        say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
-        wait_for_actors(server, info, say)
+        if info.get("here"):
+            say("data ready; the clients train in this process, no Ray (resources.ray_start_s)")
+        else:
+            say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
+            wait_for_actors(server, info, say)
         info = awaited(server.open_run.remote())
         run_dir = info["run_dir"]
         say(info["banner"])

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
 def _main(args, say, t_start: float) -> int:
     on_service = contextlib.ExitStack()  # the warm service's lock and connection, when it runs the command
     servers = None
-    started = False
+    started = deferred = False
     try:
         if args.list:
             print(list_plugins(args.overrides))
@@ -135,9 +135,11 @@ def _main(args, say, t_start: float) -> int:
         if addr is not None:
             cfg, servers = _check_on_service(layers, addr, say, on_service)
         else:
-            layers, cfg, started = _check_while_ray_starts(args, say)
+            layers, cfg, started, deferred = _check_while_ray_starts(args, say)
             if started:  # a local Ray of this command's own: the server runs here (launch.HereServers)
                 servers = HereServers()
+            elif deferred:  # no Ray yet: the server may train the clients here (runtime/here.py)
+                servers = HereServers(start_ray=_start_ray_later(cfg))
     except (ConfigError, NothingToDo, RunFailed) as e:
         on_service.close()
         return _said(e)
@@ -152,10 +154,11 @@ def _main(args, say, t_start: float) -> int:
     try:
         try:  # a local Ray we started with Ray's default store is resized once if the data need it
             summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=servers,
-                             size_store=started and not cfg.ray.object_store_gb)
+                             size_store=(started or deferred) and not cfg.ray.object_store_gb)
         except StoreTooSmall as e:
             print(f"note: {e}", file=sys.stderr)
             ray.shutdown()
+            deferred = False
             cfg.ray.object_store_gb = e.size / 2**30
             started = start_ray(cfg.ray, say, command=True)
             summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=HereServers())
@@ -173,7 +176,7 @@ def _main(args, say, t_start: float) -> int:
         return 130
     finally:
         on_service.close()
-        if started:
+        if started or getattr(servers, "ray_started", False):
             ray.shutdown()  # the local Ray we started, its agents included
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
     personal = summary.get("final_personal_accuracy")
@@ -206,14 +209,22 @@ def _main(args, say, t_start: float) -> int:
 def _check_while_ray_starts(args, say) -> tuple:
     """Every check that needs no data, in a forked child (`CheckApart`), while this process
     starts or joins Ray with the config's `ray` section: (layers, config, whether we started
-    Ray). A bad config found while Ray starts ends the command at once, Ray stopped, its
+    Ray, whether Ray's start waits for the server's word). A bad config found while Ray starts ends the command at once, Ray stopped, its
     error the only line (the progress lines are held until the check has passed)."""
     from raysim.config import read_layers
-    from raysim.config.layers import ray_section
+    from raysim.config.layers import may_train_here, ray_section
     from raysim.launch import CheckApart, CheckHere
 
     layers = read_layers(args.config, args.overrides)
     ray_cfg = ray_section(layers)
+    if ray_cfg is not None and not _ray_running() and may_train_here(layers):
+        # the clients may train in this process (runtime/here.py): Ray, if needed, starts after the
+        # data, when the server knows (HereServers.start_ray); the check first, then
+        checking = CheckHere(layers) if "torch" not in sys.modules else CheckApart(layers)
+        cfg = checking.answer()
+        for at, line in checking.lines:
+            say(line, at=at)
+        return layers, cfg, False, True
     # a local Ray: the server will run in this process, which imports torch for the check
     # while Ray starts; a joined cluster's server is an actor there, so the check's torch goes.
     # With torch loaded already (`main` called in a Python session) the check is quick and
@@ -243,7 +254,26 @@ def _check_while_ray_starts(args, say) -> tuple:
         raise _Ended(code) from None
     for at, line in sorted(held.lines + checking.lines):
         say(line, at=at)
-    return layers, cfg, started
+    return layers, cfg, started, False
+
+
+def _ray_running() -> bool:
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized()
+
+
+def _start_ray_later(cfg):
+    """What starts the local Ray when the server asks for it after the data (see
+    `_check_while_ray_starts`): `start_ray` as the command does, its signal handlers again."""
+    def start(info: dict, say) -> None:
+        start_ray(cfg.ray, say, command=True)
+        if _main_thread():  # ray.init installs its own SIGTERM handler, which dumps a stack and aborts
+            signal.signal(signal.SIGTERM, _terminate)
+            signal.signal(signal.SIGINT, _terminate)
+    return start
 
 
 class _Held:

@@ -110,8 +110,13 @@ def test_fault_injection_kills_actors_and_the_run_ends_with_the_same_model(ray_l
     m = pq.read_table(d / "metrics.parquet").to_pylist()
     assert [r["dropped"] for r in m] == [0, 0, 0, 0]
     assert "fault injection kills client actors" in (d / "log.txt").read_text()
-    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("faults", "clean"))
-    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    # the same faults with each client its own piece (resources.wave_mb): the pieces dealt to the killed actors are
+    # redone, or, not yet sent, go to live ones
+    assert main([*common, "faults.kill_fraction=0.5", "faults.kill_rounds=[2]", "resources.wave_mb=0.0001",
+                 "run_name=waves"]) == 0
+    assert "go in 12 pieces" in (tmp_path / "waves" / "log.txt").read_text()
+    a, b, c = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("faults", "clean", "waves"))
+    assert all(torch.equal(a[k], b[k]) and torch.equal(c[k], b[k]) for k in a if torch.is_tensor(a[k]))
 
 
 def test_stateful_algorithm_with_fedentopt_and_stragglers_resumes_exactly(ray_local, tmp_path):

@@ -63,6 +63,18 @@ def test_states_beyond_the_budget_go_to_a_file_and_come_back_exactly(tmp_path, m
     again.close()
 
 
+def test_a_big_call_goes_in_pieces_dealt_in_turn_with_groups_whole():
+    from raysim.runtime.placement import waves
+
+    cost = {c: 10.0 for c in range(10)}
+    cost[4] = 35.0  # bigger than a piece: alone
+    got = waves([9, 8, 7, 6, 5, 4, 3, 2, 1, 0], cost, 3, 30.0)
+    assert [chunk for _, chunk, _ in got] == [[0, 1, 2], [3], [4], [5, 6, 7], [8, 9]]
+    assert [a for a, _, _ in got] == [0, 1, 2, 0, 1] and all(b is None for *_, b in got)
+    grouped = waves(list(range(10)), dict.fromkeys(range(10), 10.0), 2, 45.0, vector_group=4)
+    assert [(a, chunk, b) for a, chunk, b in grouped] == [(0, [0, 1, 2, 3], [4]), (1, [4, 5, 6, 7], [4]), (0, [8, 9], [2])]
+
+
 def test_an_array_that_maps_a_read_only_buffer_is_copied(tmp_path):
     buffer = np.arange(12, dtype=np.float32)
     buffer.flags.writeable = False
@@ -94,6 +106,13 @@ def test_states_on_disk_give_the_models_of_states_in_memory_on_any_actors_and_re
                         (tmp_path / "disk" / "log.txt").read_text())
     assert on_disk and int(on_disk.group(2)) == int(on_disk.group(1)) - 1 > 0
     assert re.search(r"client states: \d+ kept by the server, 0 of them on disk", (tmp_path / "memory" / "log.txt").read_text())
+    # a round in pieces of one client each (resources.wave_mb below any update), dealt to two actors in turn
+    assert main([*common, "rounds=4", "resources.num_actors=2", "resources.wave_mb=0.0001", "run_name=waves"]) == 0
+    c = torch.load(tmp_path / "waves" / "model.pt", weights_only=True)
+    for part in a:
+        if isinstance(a[part], dict):
+            assert all(torch.equal(a[part][k], c[part][k]) for k in a[part]), part
+    assert re.search(r"round 1: 6 clients' updates and states \(.*\) go in 6 pieces", (tmp_path / "waves" / "log.txt").read_text())
     spill = state_store.spill_folder()
     assert not [p for p in spill.iterdir()], list(spill.iterdir())  # each run removed its file
     assert os.environ["RAYSIM_CACHE_DIR"] in str(spill)

@@ -236,6 +236,24 @@ def ray_section(layers: Layers) -> Optional[DictConfig]:
     return ray
 
 
+def may_train_here(layers: Layers) -> bool:
+    """Whether the layers leave a command on its own machine free to train its clients in
+    its own process, with no Ray (runtime/here.py): no key that asks for client actors or
+    Ray's own views. Read without the schema (a wrong value says so in the whole check);
+    the server decides after the data (`here.cannot`, one client's epoch timed)."""
+    try:
+        parts = [OmegaConf.create({k: data[k] for k in ("resources", "faults", "ray") if isinstance(data.get(k), dict)})
+                 for _, data in layers]
+        merged = OmegaConf.merge(*parts) if parts else OmegaConf.create({})
+        r, f, ray = (merged.get(k) or {} for k in ("resources", "faults", "ray"))
+        return (r.get("num_actors") is None and r.get("clients_per_actor", "auto") == "auto"
+                and not r.get("num_gpus_per_actor") and r.get("ray_start_s", 1) != 0
+                and not f.get("kill_rounds") and not f.get("kill_fraction") and int(f.get("crash_round", -1)) < 0
+                and not ray.get("address") and not ray.get("dashboard") and not ray.get("metrics_port"))
+    except (OmegaConfBaseException, TypeError, ValueError):
+        return False
+
+
 def load_config(config_files: Iterable[str] = (), overrides: Iterable[str] = (), use_default: bool = True) -> DictConfig:
     """Layer default.yaml, the given files and the overrides onto the schema, then validate."""
     return resolve(read_layers(config_files, overrides, use_default))

@@ -110,6 +110,10 @@ class ResourcesConfig:
     # object store, at most a third of the free memory
     lost_actor_wait: float = 120.0  # seconds a run waits for Ray to bring back a client actor when every
     # one is lost (a host lost with all of them); then it stops, naming the checkpoint to resume from
+    ray_start_s: float = 8.0  # a command on its own machine trains the clients in its own process, with no Ray, when
+    # they would train there in under ray_start_s x CPUs/(CPUs-1) seconds (runtime/here.py); 0: always Ray
+    wave_mb: float = 32.0  # a round whose updates and states would pass two of these per actor goes in pieces of
+    # this many MB, two in flight per actor (runtime/dispatch.py): the object store holds those, not the whole round
 
 
 @dataclass

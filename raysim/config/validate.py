@@ -207,6 +207,8 @@ def validate(cfg: DictConfig) -> None:
     need(r.client_state_gb is None or r.client_state_gb >= 0,
          f"resources.client_state_gb must be >= 0 GB (0: every state but the last on disk), got {r.client_state_gb}")
     need(r.lost_actor_wait > 0, f"resources.lost_actor_wait must be > 0 seconds, got {r.lost_actor_wait}")
+    need(r.ray_start_s >= 0, f"resources.ray_start_s must be >= 0 seconds (0: always Ray), got {r.ray_start_s}")
+    need(r.wave_mb > 0, f"resources.wave_mb must be > 0 MB, got {r.wave_mb}")
     for key, reg in PLUGIN_KINDS.items():  # each chosen part checks its own options
         section = section_of(reg, cfg[key])
         if section is not None:

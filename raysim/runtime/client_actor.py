@@ -39,12 +39,14 @@ class DataNotAttached(RuntimeError):
 class ClientRunner:
     """The work of one client actor (its Ray shell is runtime/clients.py's `ClientActor`)."""
 
-    def __init__(self):
+    def __init__(self, here: bool = False):
         """Starts before the data exists (the server loads it meanwhile): imports torch and
         warms it up. Everything of a run (config, plugins, data) comes with the run's first
-        call, so the actor can serve later runs too (runtime/pool.py) and Ray can restart it."""
+        call, so the actor can serve later runs too (runtime/pool.py) and Ray can restart it.
+        `here`: in the server's own process, without Ray (runtime/here.py), on the CPU."""
         determinism.before_cuda()
-        gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
+        self.here = here
+        gpu = not here and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
         self._reader = None  # data_store=files: the thread that reads the next client's rows (_read_ahead)
@@ -60,7 +62,12 @@ class ClientRunner:
         determinism.apply(self.cfg.determinism)  # before the run's first CUDA work in this actor
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
-        arrays, train_index = ray.get(data_refs)
+        if self.here:
+            from raysim.runtime import here
+
+            arrays, train_index = here.get(data_refs)
+        else:
+            arrays, train_index = ray.get(data_refs)
         if "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
             from raysim.data import replicate, store
 
@@ -158,7 +165,7 @@ class ClientRunner:
                 y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None) -> Client:
         """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it; `raw`:
         its inputs read ahead from files), its generator seeded from (seed, round, cid)."""
-        if (rnd, cid) == self.crash and not self.redo:
+        if (rnd, cid) == self.crash and not self.redo and not self.here:
             os._exit(1)  # injected fault: this worker process dies mid-round
         if x is None:
             x, y = self._rows(np.asarray(self.train_index[cid]), raw)
@@ -205,12 +212,14 @@ class ClientRunner:
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""
+        if self.here:  # the server's process: faults.* need client actors (here.cannot)
+            raise RuntimeError("faults.* kill client actors' processes; the clients train in the server's")
         os._exit(1)
 
     def device_info(self) -> dict:
-        info = {"device": str(self.device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(),
-                **determinism.settings()}
+        where = ({"node_id": "this process", "node_ip": "127.0.0.1"} if self.here else
+                 {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()})
+        info = {"device": str(self.device), "pid": os.getpid(), **where, **determinism.settings()}
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info

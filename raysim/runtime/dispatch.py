@@ -8,7 +8,9 @@ once, then, per call of `run`:
   actor its contiguous run of the cohort (runtime/placement.py) as one task, or, for big
   models on GPUs, a few (`pipeline`: the server folds the first while the actor trains on), and yields
   the results in client-id order, fetched in bounded batches, so the server holds O(model)
-  and the fold order never depends on which actor finishes first;
+  and the fold order never depends on which actor finishes first; a call of thousands of
+  clients goes in pieces dealt to the actors in turn, a few in flight per actor, so the
+  object store holds those pieces' updates and states, not the whole round's (`resources.wave_mb`);
 - keeps each stateful client's state itself (runtime/state_store.py: in memory at about its
   own size, the least recently used on disk beyond `resources.client_state_gb`), sends a
   call's states with it and takes the changed ones back with its results (any actor can
@@ -55,6 +57,7 @@ class Call:
     args: tuple
     refs: list
     redone: bool = False
+    blocks: Optional[list] = None
 
 
 # a later group of results, fetched after its task returned, lost with its node (or its actor)
@@ -65,6 +68,7 @@ INLINE_BYTES = 64 * 2**10
 PIPELINE_BYTES = 2**20  # models (payloads) from this size up are worth folding while the actors train
 PIPELINE_TASKS = 4
 STATE_SHARE = 1 / 16  # of the object store: the most client state one task carries (`_tasks_for_states`)
+WINDOW = 2  # pieces of a big call (resources.wave_mb) in flight per actor: one training, one waiting (placement.waves)
 
 
 def _why(e: BaseException) -> str:
@@ -103,16 +107,26 @@ def tasks_for_states(state_bytes: int, store_bytes: float) -> int:
 
 
 class Dispatch:
-    def __init__(self, cfg, run_name: str, started: Optional[tuple] = None):
+    def __init__(self, cfg, run_name: str, started: Optional[tuple] = None, here_why: Optional[str] = None):
         """Take the client actors the server started first thing (`started`, what
         `start_client_actors` returned), or start them now: each needs ~1.5 s for torch,
-        which overlaps the server's loading of the data (`share_data` follows)."""
+        which overlaps the server's loading of the data (`share_data` follows). `here_why`:
+        no Ray; the clients train in this process (runtime/here.py), for that reason."""
         self.cfg = cfg
-        self.actors, self.actor_key, self.reused = started or start_client_actors(cfg, run_name)
-        self.needs = describe_needs(*self.actor_key)
+        if here_why is not None:
+            from raysim.runtime import here
+
+            self.ray = here  # Ray's get / put / wait / kill, for the one runner in this process
+            self.actors, self.actor_key, self.reused = [here.HereActor()], None, 0
+            self.needs, self.why = "this process", f"no Ray: {here_why}"
+        else:
+            self.ray = ray
+            self.actors, self.actor_key, self.reused = started or start_client_actors(cfg, run_name)
+            self.needs = describe_needs(*self.actor_key)
+            total = ray.cluster_resources()
+            self.why = placement.why_actors(cfg, len(self.actors), total.get("CPU", 0), total.get("GPU", 0))  # for the log
         self.n_actors = len(self.actors)
-        total = ray.cluster_resources()
-        self.why = placement.why_actors(cfg, self.n_actors, total.get("CPU", 0), total.get("GPU", 0))  # for the run's log
+        total = self.ray.cluster_resources()
         self.one_per_client = cfg.resources.clients_per_actor == 1
         self.sum_block = sum_block(cfg)  # clients per sum made in the actors (0: each client's result)
         self._ready = [a.device_info.remote() for a in self.actors]
@@ -125,38 +139,41 @@ class Dispatch:
         self.store_bytes = total.get("object_store_memory", 2**30)
         self._attached: set[int] = set()  # actors that have been sent the data references
         self._killed_in: Optional[int] = None  # the last round faults.kill_* struck
+        self._waves_said = False  # log.txt says once when a run's calls go in pieces
 
     def share_data(self, cfg_plain: dict, arrays: dict, train_index, num_classes: int, norm, pixel_max,
                    sizes) -> None:
         """Put the training arrays (or, `data_store=files`, the manifest of their files:
         data/store.py) and the partition in the object store once; each actor gets the
         references with its first call. `sizes`: samples per client (task planning)."""
-        self.shared = (cfg_plain, [ray.put(arrays), ray.put(train_index)], num_classes, norm, pixel_max)
+        self.shared = (cfg_plain, [self.ray.put(arrays), self.ray.put(train_index)], num_classes, norm, pixel_max)
         self.sizes = sizes
 
     def placed(self, timeout: float) -> int:
         """How many client actors have been placed and have started (waits up to `timeout` s)."""
-        ready, _ = ray.wait(self._ready, num_returns=len(self._ready), timeout=timeout)
+        ready, _ = self.ray.wait(self._ready, num_returns=len(self._ready), timeout=timeout)
         return len(ready)
 
     # ------------------------------------------------------------------ calls
     def run(self, rnd: int, cids: list[int], epochs: dict, payload: Any, method: str, on: str,
             stateful: bool, actor: Optional[int] = None) -> Iterator[ClientResult]:
         """Submit every task now (so several cohorts can train at once) and return an
-        iterator over the results in client-id order; dropped clients are skipped. `actor`:
-        all of them on that actor, in the order given (the asynchronous loop places its
-        clients itself)."""
+        iterator over the results in client-id order; dropped clients are skipped. A call
+        whose updates and states would pass `WINDOW` x `resources.wave_mb` per actor goes in
+        pieces dealt in turn (`placement.waves`), `WINDOW` per actor in flight: the next is
+        submitted as the server takes one, so a round of 10,000 clients holds a few pieces
+        in the object store, not 10,000 updates. `actor`: all of them on that actor, in the
+        order given (the asynchronous loop places its clients itself)."""
         t0 = time.perf_counter()
         size = nbytes(payload)
         self.bytes[0] += size * len(cids)
         # A big payload goes to the object store once and every task gets the reference;
         # a small one is cheaper inlined in each task (Ray inlines arguments under 100 KB).
-        payload_arg = ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
+        payload_arg = self.ray.put(pack(payload)) if size > INLINE_BYTES else pack(payload)
         work = {c: int(self.sizes[c]) * epochs[c] for c in cids}  # stragglers weigh more
         # Results come back in groups of about FETCH_BYTES (judged by the payload, about the
         # size of an update): one object for many small updates, one per client for big ones.
         group = max(1, int(FETCH_BYTES // max(size, 1)))
-        calls = []
         live = self.live_actors()  # the actors given work: not those lost and not back yet
         training = method == "client_update"
         faults = self.cfg.faults
@@ -172,20 +189,41 @@ class Dispatch:
         block = int(self.cfg.local.vectorize_group) if vectorized else self.sum_block if sums else 0
         if actor is not None and actor % self.n_actors not in live:  # lost: a live one takes its clients
             actor = live[actor % len(live)]
-        placed = ([(actor % self.n_actors, cids, None)] if actor is not None else
-                  [(live[i], chunk, blocks) for i, chunk, blocks in
-                   placement.plan(cids, work, len(live), self.one_per_client, block)])
-        tasks = tasks_per_actor(self.cfg.resources, size)
-        pieces = [(a, piece, blocks) for a, chunk, blocks in placed
-                  for piece in pipeline(chunk, blocks, max(tasks, self._tasks_for_states(chunk) if stateful else 1))]
-        for a, chunk, blocks in pieces:
-            states = [self.states.get(c) for c in chunk] if stateful else None
-            n_groups = -(-(len(blocks) if sums else len(chunk)) // group)
-            args = (rnd, method, on, chunk, [epochs[c] for c in chunk], group, blocks, vectorized, sums, payload_arg,
-                    states)
-            calls.append(Call(a, chunk, n_groups, int(stateful), args, self._submit(a, args, n_groups + int(stateful))))
+        # what each client's update and state take through the object store, both ways
+        wave = min(float(self.cfg.resources.wave_mb) * 2**20, STATE_SHARE * self.store_bytes)
+        cost = {c: size + 2 * self.states.nbytes(c) for c in cids} if stateful else dict.fromkeys(cids, size)
+        in_waves = actor is None and not self.one_per_client and sum(cost.values()) > WINDOW * wave * len(live)
+        if in_waves:
+            pieces = [(live[i], chunk, blocks) for i, chunk, blocks in placement.waves(cids, cost, len(live), wave, block)]
+            if not self._waves_said and self.record is not None:
+                self._waves_said = True
+                self.record.log(f"round {rnd}: {len(cids)} clients' updates and states ({sum(cost.values()) / 2**20:.0f} MB) "
+                                f"go in {len(pieces)} pieces of at most {wave / 2**20:.3g} MB, {WINDOW} in flight per "
+                                "actor (resources.wave_mb)")
+        else:
+            placed = ([(actor % self.n_actors, cids, None)] if actor is not None else
+                      [(live[i], chunk, blocks) for i, chunk, blocks in
+                       placement.plan(cids, work, len(live), self.one_per_client, block)])
+            tasks = tasks_per_actor(self.cfg.resources, size)
+            pieces = [(a, piece, blocks) for a, chunk, blocks in placed
+                      for piece in pipeline(chunk, blocks, max(tasks, self._tasks_for_states(chunk) if stateful else 1))]
+        calls = [Call(a, chunk, -(-(len(blocks) if sums else len(chunk)) // group), int(stateful), (), [], blocks=blocks)
+                 for a, chunk, blocks in pieces]
+
+        def start(call: Call) -> None:  # its states read now: those not yet sent stay in the store (or on disk)
+            if call.actor in self._restarting:  # lost since the call was dealt: a live one takes it
+                alive = [a for a in range(self.n_actors) if a not in self._restarting] or [call.actor]
+                call.actor = alive[call.actor % len(alive)]
+            states = [self.states.get(c) for c in call.chunk] if stateful else None
+            call.args = (rnd, method, on, call.chunk, [epochs[c] for c in call.chunk], group, call.blocks, vectorized,
+                         sums, payload_arg, states)
+            call.refs = self._submit(call.actor, call.args, call.n_groups + call.n_states)
+
+        window = WINDOW * len(live) if in_waves else len(calls)
+        for call in calls[:window]:
+            start(call)
         self.seconds["broadcast"] += time.perf_counter() - t0
-        return self._collect(rnd, method, calls, epochs)
+        return self._collect(rnd, method, calls, epochs, start, window)
 
     def _submit(self, a: int, args: tuple, n_returns: int, redo: bool = False) -> list:
         """Actor `a`'s task for `args` (the data references with its first call); its refs."""
@@ -194,12 +232,16 @@ class Dispatch:
         got = self.actors[a].run.options(num_returns=n_returns).remote(data, *args, redo=redo)
         return [got] if n_returns == 1 else list(got)
 
-    def _collect(self, rnd: int, method: str, calls: list, epochs: dict) -> Iterator[ClientResult]:
-        for call in calls:
+    def _collect(self, rnd: int, method: str, calls: list, epochs: dict, start, window: int) -> Iterator[ClientResult]:
+        """The calls' results in order; the calls from `window` on are started (`start`) one
+        as each earlier one is taken, and a taken call lets its objects go."""
+        for i, call in enumerate(calls):
+            if i and i + window - 1 < len(calls):
+                start(calls[i + window - 1])
             a, chunk = call.actor, call.chunk
             t0 = time.perf_counter()
             try:
-                results = ray.get(call.refs[0])  # all of a task's objects arrive together
+                results = self.ray.get(call.refs[0])  # all of a task's objects arrive together
             except (ray.exceptions.RayActorError, DataNotAttached) as e:
                 a, results = self._redo(call, e)
             finally:
@@ -211,11 +253,11 @@ class Dispatch:
                 if not results:
                     t0 = time.perf_counter()
                     try:
-                        results = ray.get(group_refs[next_group])
+                        results = self.ray.get(group_refs[next_group])
                     except LATER_LOST as e:  # the task returned, then its node was lost with its results
                         a, _ = self._redo(call, e)  # the whole call again; the groups before this one are taken
                         group_refs = call.refs[:call.n_groups]
-                        results = ray.get(group_refs[next_group])
+                        results = self.ray.get(group_refs[next_group])
                     self.seconds["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
@@ -229,6 +271,7 @@ class Dispatch:
                 if j == len(chunk):
                     self.record.metrics.actor_done(a, len(chunk))
                 yield result
+            call.args, call.refs, results, new_states = (), [], None, None  # its objects can go
 
     def _tasks_for_states(self, chunk: list[int]) -> int:
         return tasks_for_states(sum(self.states.nbytes(c) for c in chunk), self.store_bytes)
@@ -240,10 +283,10 @@ class Dispatch:
         if not call.n_states:
             return None
         try:
-            return ray.get(call.refs[-1])
+            return self.ray.get(call.refs[-1])
         except LATER_LOST as e:
             self._redo(call, e)
-            return ray.get(call.refs[-1])
+            return self.ray.get(call.refs[-1])
 
     def _lost(self, a: int, e: BaseException) -> None:
         """Actor `a`'s call failed with `e`: dead (Ray restarts it; no work until it is back),
@@ -271,7 +314,7 @@ class Dispatch:
             for b in order:
                 call.refs = self._submit(b, call.args, call.n_groups + call.n_states, redo=True)
                 try:
-                    results = ray.get(call.refs[0])
+                    results = self.ray.get(call.refs[0])
                 except (ray.exceptions.RayActorError, DataNotAttached) as e:
                     self._lost(b, e)
                     why[b] = _why(e)
@@ -288,7 +331,7 @@ class Dispatch:
     def _where(self, a: int) -> str:
         """', on node <id> at <address>' where actor `a` was last seen (its start-up answer), or ''."""
         try:
-            info = ray.get(self._ready[a], timeout=0)
+            info = self.ray.get(self._ready[a], timeout=0)
         except Exception:  # not known: it died before answering
             return ""
         return f", on node {info['node_id'][:8]} at {info.get('node_ip', '?')}"
@@ -317,13 +360,13 @@ class Dispatch:
         if self._restarting:
             everyone = len(self._restarting) == self.n_actors
             asked = {self.actors[a].device_info.remote(): a for a in sorted(self._restarting)}
-            ready, _ = ray.wait(list(asked), num_returns=1 if everyone else len(asked),
+            ready, _ = self.ray.wait(list(asked), num_returns=1 if everyone else len(asked),
                                 timeout=self.restart_wait if everyone else RESTART_POLL)
             if everyone and ready:  # the others may be back by now too
-                ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=RESTART_POLL)
+                ready, _ = self.ray.wait(list(asked), num_returns=len(asked), timeout=RESTART_POLL)
             for ref in ready:
                 try:
-                    ray.get(ref)
+                    self.ray.get(ref)
                 except ray.exceptions.RayActorError:
                     continue
                 self._restarting.discard(asked[ref])
@@ -355,16 +398,16 @@ class Dispatch:
     # ------------------------------------------------------------------ the actors' end
     def actor_info(self) -> list[dict]:
         """Where each live actor runs (one lost with its host may never answer)."""
-        return ray.get([self.actors[a].device_info.remote() for a in self.live_actors()])
+        return self.ray.get([self.actors[a].device_info.remote() for a in self.live_actors()])
 
     def release(self) -> None:
         """Leave the client actors to the next run of this Ray session (`ray.reuse_workers`),
         or stop them."""
-        if self.cfg.ray.reuse_workers:
+        if self.cfg.ray.reuse_workers and self.ray is ray:
             live = self.live_actors()  # the lost ones are not worth keeping: stopped
             for a in range(self.n_actors):
                 if a not in live:
-                    ray.kill(self.actors[a])
+                    self.ray.kill(self.actors[a])
             pool.keep_client_actors(self.actor_key, [self.actors[a] for a in live])
             self.actors = []
             self.states.close()
@@ -374,6 +417,6 @@ class Dispatch:
     def stop(self) -> None:
         self.states.close()
         for a in self.actors:
-            ray.kill(a)
+            self.ray.kill(a)
         self.actors = []
 

@@ -4,7 +4,9 @@ Any actor can run any client (the data is shared through the object store and cl
 state travels by reference), so placement is only about balance: each round's cohort,
 sorted by client id, is cut into contiguous runs of roughly equal work, one per actor.
 With `clients_per_actor: 1` there is one actor per client and client i always runs on
-actor i (the literal one-process-per-client model). Results never depend on placement.
+actor i (the literal one-process-per-client model). A call too big to have in flight at
+once (thousands of updates and states) is cut into pieces dealt to the actors in turn
+(`waves`). Results never depend on placement.
 """
 from __future__ import annotations
 
@@ -102,6 +104,30 @@ def plan(cids: list[int], work: Mapping[int, float], n_actors: int, one_per_clie
     groups = [cids[i:i + vector_group] for i in range(0, len(cids), vector_group)]
     units = assign(list(range(len(groups))), {i: sum(work[c] for c in g) for i, g in enumerate(groups)}, n_actors, False)
     return [(a, [c for i in idx for c in groups[i]], [len(groups[i]) for i in idx]) for a, idx in units]
+
+
+def waves(cids: list[int], cost: Mapping[int, float], n_actors: int, wave: float,
+          vector_group: int = 0) -> list[tuple[int, list[int], Optional[list[int]]]]:
+    """A big call as pieces in client-id order, each of at most `wave` `cost` (bytes a
+    client's update and state take through the object store; a piece has one unit at
+    least), dealt to the actors in turn: (actor, its clients, its groups' sizes or None).
+    Folded in id order, pieces dealt in turn come back from every actor alike, so the
+    server can keep only a few in flight per actor (runtime/dispatch.py). `vector_group`
+    > 0: groups cut from the sorted cohort as `plan` cuts them, placed whole."""
+    cids = sorted(cids)
+    size = vector_group or 1
+    units = [cids[i:i + size] for i in range(0, len(cids), size)]
+    pieces: list[list[list[int]]] = []
+    held = 0.0
+    for unit in units:
+        c = sum(cost[x] for x in unit)
+        if not pieces or held + c > wave:
+            pieces.append([])
+            held = 0.0
+        pieces[-1].append(unit)
+        held += c
+    return [(k % n_actors, [x for u in piece for x in u], [len(u) for u in piece] if vector_group else None)
+            for k, piece in enumerate(pieces)]
 
 
 def store_notice(data_bytes: int, store_bytes: float) -> Optional[str]:

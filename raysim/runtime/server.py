@@ -77,11 +77,13 @@ class FederatedServer:
             for a in actors[0] if actors is not None else ():  # refused before the run: not kept
                 ray.kill(a)
             raise
-        self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors)  # the actors start while the data loads
+        # the actors start while the data loads; a command on its own machine starts Ray only when
+        # its clients' training is worth it (`_where_clients_train`, after the data)
+        self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors) if ray.is_initialized() else None
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:
-            self.dispatch.release()
+            self.release_actors()
             raise
         self.sizes = part.sizes()
         self.secagg = SecureAggregation.from_config(self.cfg)
@@ -100,15 +102,13 @@ class FederatedServer:
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
             arrays = {k: v for k, v in store.open_arrays(files).items() if k in arrays}  # the server's copy goes
             data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
-        if files is not None:  # the node that holds them: hosts without the folder copy from it (data/replicate.py)
-            files = {**files, "node": ray.get_runtime_context().get_node_id()}
-        self.dispatch.share_data(OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
-                                 num_classes, data.norm, data.pixel_max, self.sizes)
+        self._shared = [OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
+                        num_classes, data.norm, data.pixel_max, self.sizes]
         self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         unshared = ALGORITHMS.get(self.cfg.algorithm).unshared
         if (int(self.cfg.eval.finetune_epochs) > 0 or unshared) and self.local_tests is None:
-            self.dispatch.release()
+            self.release_actors()
             why = ("eval.finetune_epochs: fine-tuned models are" if not unshared else
                    f"algorithm={self.cfg.algorithm}: its clients' own models are (the server's keeps the initial "
                    f"{unshared})")
@@ -126,16 +126,67 @@ class FederatedServer:
         self.adversaries = Adversaries(self.cfg, self.num_clients)  # who attacks, for the record
         self.num_classes = num_classes
         self.input_shape = data.input_shape
-        data_bytes, store_bytes = data.x_train.nbytes + data.y_train.nbytes, ray.cluster_resources().get(
-            "object_store_memory", 0)
-        self.store_notice = placement.store_notice(data_bytes, store_bytes) if files is None else None
-        self.data_where = (f"training data: {data_bytes / 2**30:.2f} GB in "
-                           + (f"files under {files['folder']}" if files else "Ray's object store")
+        self.data_bytes = int(data.x_train.nbytes + data.y_train.nbytes)
+        self.files = files
+        if self.dispatch is None:
+            needs_ray = self._where_clients_train(data, part)
+            if needs_ray is not None:  # the caller starts Ray, then calls attach
+                return {"start_ray": needs_ray, "data_bytes": self.data_bytes if files is None else 0,
+                        "placement_timeout": float(self.cfg.resources.placement_timeout)}
+        return self.attach()
+
+    def _where_clients_train(self, data, part) -> Optional[str]:
+        """No Ray in this process yet (a command on its own machine, which hosts this server):
+        train the clients here, without Ray (runtime/here.py), when nothing needs client actors
+        and one client's epoch, timed, says the training would not pay for Ray's start; else
+        why Ray is started (`attach` follows)."""
+        from raysim.data.datasets import model_inputs
+        from raysim.models import model_from
+        from raysim.runtime import here
+
+        why = here.cannot(self.cfg, self.files is not None)
+        if why is not None:
+            return why
+        if float(self.cfg.resources.ray_start_s) <= 0:
+            return "resources.ray_start_s=0"
+        cid = int(np.argsort(self.sizes, kind="stable")[len(self.sizes) // 2])  # a client of the median size
+        rows = np.asarray(part.train[cid])
+        x, y = torch.from_numpy(np.asarray(data.x_train[rows])), torch.from_numpy(np.asarray(data.y_train[rows])).long()
+        rng = torch.random.default_generator.get_state()
+        model = model_from(self.cfg, tuple(self.input_shape), self.num_classes)
+        torch.random.default_generator.set_state(rng)
+        rounds = int(self.cfg.rounds) - (int(self.ckpt["round"]) if self.ckpt else 0)
+        seconds = here.training_seconds(self.cfg, rounds, model, x, y, lambda b: model_inputs(b, data.pixel_max, data.norm))
+        ray_pays, words = here.worth_ray(seconds, self.cfg)
+        if ray_pays:
+            return words
+        self.dispatch = Dispatch(self.cfg, self.run_dir.name, here_why=words)
+        return None
+
+    def attach(self) -> dict:
+        """Give the data to the client actors (started by `setup`, or now, Ray having started
+        since) or to this process's runner; what the caller waits for."""
+        if self.dispatch is None:
+            self.dispatch = Dispatch(self.cfg, self.run_dir.name)
+        files = self.files
+        if files is not None:  # the node that holds them: hosts without the folder copy from it (data/replicate.py)
+            self._shared[1] = {**files, "node": ray.get_runtime_context().get_node_id()}
+        self.dispatch.share_data(*self._shared)
+        store_bytes = self.dispatch.store_bytes if self.dispatch.ray is ray else 0
+        self.store_notice = placement.store_notice(self.data_bytes, store_bytes) if files is None else None
+        self.data_where = (f"training data: {self.data_bytes / 2**30:.2f} GB in "
+                           + (f"files under {files['folder']}" if files else
+                              "Ray's object store" if store_bytes else "this process")
                            + f" (data_store={self.cfg.data_store})")
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
-                "data_bytes": int(data_bytes) if files is None else 0,  # what the object store holds of the data
-                "store_bytes": float(store_bytes),
+                "data_bytes": self.data_bytes if files is None else 0,  # what the object store holds of the data
+                "store_bytes": float(store_bytes), "here": self.dispatch.ray is not ray,
                 "placement_timeout": float(self.cfg.resources.placement_timeout)}
+
+    def release_actors(self) -> None:
+        """The run is refused before it starts: its client actors go back to the pool (or stop)."""
+        if getattr(self, "dispatch", None) is not None:
+            self.dispatch.release()
 
     def placed(self, timeout: float) -> int:
         return self.dispatch.placed(timeout)

@@ -47,7 +47,8 @@ class ServerHost:
         try:
             c = OmegaConf.create(cfg)
             run_dir = Path(c.resume) if c.resume else run_dir_for(c)
-            self.started = (run_dir, start_client_actors(c, run_dir.name))
+            # no Ray yet (a command on its own machine): the server decides after the data (server.attach)
+            self.started = (run_dir, start_client_actors(c, run_dir.name) if ray.is_initialized() else None)
         except Exception as e:  # noqa: BLE001  (raised again by setup)
             self.started = e
 
@@ -85,6 +86,10 @@ class ServerHost:
             raise started
         self.server = FederatedServer(t_start)
         return self.server.setup(layers, cwd, started)
+
+    def attach(self) -> dict:
+        """After `setup` asked for Ray (`start_ray` in its answer) and the caller started it."""
+        return self.server.attach()
 
     def stop_actors(self) -> None:
         """Stop the client actors of the run in hand (an in-process server's end, launch.InProcess)."""

@@ -1,0 +1,102 @@
+"""Clients trained in the command's own process, without Ray (runtime/here.py, issue 58): a
+small command on its own machine starts no Ray, and its models are those of the same run on
+client actors, bit for bit, resumed or not; a command whose training would pay for Ray's
+start starts it after the data; a config that needs client actors gets them."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raysim.config import load_config
+from raysim.runtime import here
+
+COMMON = ["algorithm=scaffold", "dataset=digits", "model=mlp", "num_clients=8", "participation=0.5",
+          "local.epochs=1", "checkpoint_every=2", "--quiet"]
+
+
+def _run(tmp_path, *args):
+    given = list(args) if args[0].startswith("resume=") else [*COMMON, f"output_dir={tmp_path}", *args]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *given, "--quiet"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _ray_processes() -> set:
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
+
+
+@pytest.mark.slow
+def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(tmp_path):
+    before = _ray_processes()
+    _run(tmp_path, "rounds=2", "run_name=here")
+    _run(tmp_path, f"resume={tmp_path / 'here'}", "rounds=4")  # resumed here too
+    log = (tmp_path / "here" / "log.txt").read_text()
+    assert "no Ray: the clients' training would take this process" in log
+    summary = json.loads((tmp_path / "here" / "summary.json").read_text())
+    assert summary["client_actor_nodes"] == {"this process": 1}
+    assert _ray_processes() <= before  # no Ray was started (nor left behind)
+    # the same run on two client actors (resources.num_actors asks for them)
+    _run(tmp_path, "rounds=4", "resources.num_actors=2", "run_name=actors")
+    assert "no Ray" not in (tmp_path / "actors" / "log.txt").read_text()
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("here", "actors"))
+    for part in a:
+        if isinstance(a[part], dict):
+            assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    # training that would pay for Ray's start (a start costing ~nothing here): Ray starts after the data
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *COMMON, f"output_dir={tmp_path}", "rounds=4",
+                        "resources.ray_start_s=0.000001", "run_name=later"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = torch.load(tmp_path / "later" / "model.pt", weights_only=True)
+    assert all(torch.equal(a["global"][k], c["global"][k]) for k in a["global"])
+    assert "no Ray" not in (tmp_path / "later" / "log.txt").read_text()
+    assert _ray_processes() <= before  # the Ray it started is stopped
+
+
+def test_what_needs_client_actors_gets_them():
+    assert here.cannot(load_config(), stored=False) is None
+    for keys, why in ((["resources.num_actors=2"], "resources.num_actors"),
+                      (["faults.kill_fraction=0.5", "faults.kill_rounds=[2]"], "faults"),
+                      (["ray.dashboard=true"], "ray.dashboard"),
+                      (["algorithm=fedbuff"], "in flight"),
+                      (["data_store=files"], "files")):
+        assert why in here.cannot(load_config(overrides=keys), stored=False), keys
+    assert "files" in here.cannot(load_config(), stored=True)
+
+
+def test_ray_is_worth_its_start_when_the_training_would_take_longer_here(monkeypatch):
+    cfg = load_config(overrides=["resources.ray_start_s=8"])
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert here.worth_ray(15.9, cfg)[0] is False and here.worth_ray(16.1, cfg)[0] is True  # 8 x 2/1
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    assert here.worth_ray(8.9, cfg)[0] is False and here.worth_ray(9.1, cfg)[0] is True  # 8 x 9/8
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert here.worth_ray(1e9, cfg)[0] is False  # one CPU: actors train no faster than this process
+
+
+def test_the_runner_here_gives_copies_and_leaves_torchs_generator_and_threads_as_they_were():
+    class Runner:
+        def run(self, data, payload):
+            torch.manual_seed(123)
+            torch.set_num_threads(1)
+            payload["w"].add_(1)  # the caller's copy must not see it
+            return {"w": payload["w"]}, [payload["w"]]
+
+    actor = here.HereActor.__new__(here.HereActor)
+    actor.runner = Runner()
+    w = torch.zeros(3)
+    torch.manual_seed(7)
+    expected = torch.rand(2)
+    torch.manual_seed(7)
+    threads = torch.get_num_threads()
+    first, second = actor.run.options(num_returns=2).remote(None, {"w": w})
+    got = here.get(first)
+    assert torch.equal(got["w"], torch.ones(3)) and torch.equal(w, torch.zeros(3))
+    assert here.get(second)[0] is not got["w"]  # each result its own copy, as from the object store
+    assert torch.equal(torch.rand(2), expected) and torch.get_num_threads() == threads
