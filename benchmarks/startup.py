@@ -5,7 +5,9 @@ of round 1, phase by phase, next to a plain torch loop's start on the same work.
     python benchmarks/startup.py --repeats 5 --workloads default
 
 Each run is a fresh process. The CLI stamps every start-up line with the seconds since the
-process started; the phases are the gaps between them:
+process started; the phases are the gaps between them (a command whose clients train in its
+own process, runtime/here.py, starts no Ray: its phases are imports + check, data + one
+client's epoch timed, the run directory):
   imports            process start -> "starting a local Ray" (Python, raysim's CLI, the YAML read)
   Ray start + check  -> "the server runs in this process" (ray.init of a local Ray; meanwhile
                         a thread imports torch, the registry and the server's code and checks
@@ -40,9 +42,14 @@ HERE = Path(__file__).resolve().parent
 SYNTH = ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.test_fraction=0.2", "partition=natural",
          "model=mclr", "num_clients=100", "clients_per_round=20", "local.epochs=1", "local.batch_size=10",
          "local.lr=0.01", "local.momentum=0", "rounds=2"]
-WORKLOADS = {"default": ["rounds=2"], "mclr": SYNTH}
+# the README's default command itself (30 rounds: its wall time is issue 58's target), the same
+# with Ray and client actors (resources.ray_start_s=0: always Ray), and a 100-client workload
+WORKLOADS = {"default": [], "default-ray": ["resources.ray_start_s=0"], "mclr": SYNTH}
 MARKS = [("imports", "starting a local Ray"), ("Ray start + check", "the server runs in this process"),
          ("data", "data ready"), ("client actors", "run directory")]
+# a command whose clients train in its own process (runtime/here.py): no Ray, no actors
+HERE_MARKS = [("imports + check", "the server runs in this process"),
+              ("data + one epoch timed", "data ready"), ("run directory", "run directory")]
 AT = {"(check ended at)": "config:"}  # moments shown as they are, not as a phase
 STAMP = re.compile(r"raysim \[\s*([\d.]+) s\] (.*)")
 
@@ -57,6 +64,8 @@ def one_run(args: list[str], out: str, name: str, marks=MARKS, env=None, at_mark
     r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={out}", f"run_name={name}"],
                        capture_output=True, text=True, check=True, env=env)
     stamps = [(float(m.group(1)), m.group(2)) for m in map(STAMP.match, r.stderr.splitlines()) if m]
+    if marks is MARKS and not any(line.startswith("starting a local Ray") for _, line in stamps):
+        marks, at_marks = HERE_MARKS, {}
     at = {}
     for label, prefix in marks:
         at[label] = next(t for t, line in stamps if line.startswith(prefix))

@@ -166,7 +166,7 @@ class SessionServers:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from raysim.runtime import pool
-        from raysim.runtime.server_actor import ServerActor
+        from raysim.runtime.server_actor import remote_server
 
         server = pool.warm_server(reuse)
         if server is not None:
@@ -174,7 +174,7 @@ class SessionServers:
             return server
         here = ray.get_runtime_context().get_node_id()
         say("starting the server: it loads and partitions the data while the client actors start")
-        return ServerActor.options(name=name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+        return remote_server().options(name=name, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
 
     def give_back(self, server, keep: bool, plugins) -> None:
         import ray
@@ -320,7 +320,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     sweep's points that run at once each have their own). `size_store`: the caller started
     this Ray with the default object store and can restart it: `StoreTooSmall` when the data
     loaded would crowd it and the machine has room for a bigger one."""
-    import ray
+    from raysim.lazy_ray import ray  # none imported by a command whose clients train in it (runtime/here.py)
 
     servers = servers or SessionServers()
     reuse = bool(cfg.ray.reuse_workers)

@@ -146,7 +146,7 @@ def _main(args, say, t_start: float) -> int:
     except _Ended as e:
         return e.code
 
-    import ray
+    from raysim.lazy_ray import ray  # imported when used: a run with no Ray needs none (runtime/here.py)
 
     if _main_thread():  # again: ray.init installs its own SIGTERM handler, which dumps a stack and aborts
         signal.signal(signal.SIGTERM, _terminate)

@@ -160,9 +160,9 @@ def new_server():
     """A detached server actor under the service's name (its process starts importing torch
     and raysim at once; nobody waits for it here)."""
     from raysim.runtime import pool
-    from raysim.runtime.server_actor import ServerActor
+    from raysim.runtime.server_actor import remote_server
 
-    server = ServerActor.options(name=SERVER_NAME, namespace=NAMESPACE, lifetime="detached").remote()
+    server = remote_server().options(name=SERVER_NAME, namespace=NAMESPACE, lifetime="detached").remote()
     server.warm.remote()
     server.keep.remote([], pool.code_stamp([]))  # the code it is importing now
     return server

@@ -70,9 +70,9 @@ def choose(cfg, data_bytes: Optional[int]) -> str:
     Without Ray (a script's `prepare`) or a size: memory."""
     if cfg.data_store != "auto":
         return cfg.data_store
-    import ray
+    from raysim.lazy_ray import initialized, ray
 
-    if not data_bytes or not ray.is_initialized():
+    if not data_bytes or not initialized():
         return "memory"
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     return "files" if _one_node() and store_bytes and data_bytes > CROWDED * store_bytes else "memory"
@@ -80,9 +80,9 @@ def choose(cfg, data_bytes: Optional[int]) -> str:
 
 def _one_node() -> bool:
     """No Ray in this process (a script's `prepare`), or a Ray of one live node."""
-    import ray
+    from raysim.lazy_ray import initialized, ray
 
-    return not ray.is_initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    return not initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
 
 def in_place(cfg) -> bool:
@@ -208,9 +208,9 @@ def open_arrays(manifest: dict) -> dict[str, np.ndarray]:
 def ray_node_ip() -> str:
     """This process's Ray node address, or 'no Ray' (a script's own read)."""
     try:
-        import ray
+        from raysim.lazy_ray import initialized, ray
 
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "no Ray"
+        return ray.util.get_node_ip_address() if initialized() else "no Ray"
     except Exception:  # an address Ray cannot tell: the message goes without it
         return "address unknown"
 

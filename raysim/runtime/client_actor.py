@@ -16,7 +16,7 @@ import warnings
 from typing import Optional
 
 import numpy as np
-import ray
+from raysim.lazy_ray import ray
 import torch
 from omegaconf import OmegaConf
 

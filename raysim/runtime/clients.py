@@ -9,7 +9,7 @@ waiting for the server's (~2 s of a cold command's start, benchmarks/startup.py)
 """
 from __future__ import annotations
 
-import ray
+from raysim.lazy_ray import ray
 
 from raysim.errors import ConfigError
 from raysim.runtime import pool

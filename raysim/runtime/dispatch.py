@@ -32,7 +32,7 @@ import time
 from typing import Any, Iterator, Optional
 
 import numpy as np
-import ray
+from raysim.lazy_ray import ray
 
 from raysim.config import sum_block
 from raysim.contract import ClientResult
@@ -60,8 +60,10 @@ class Call:
     blocks: Optional[list] = None
 
 
-# a later group of results, fetched after its task returned, lost with its node (or its actor)
-LATER_LOST = (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError)
+def later_lost() -> tuple:
+    """A later group of results, fetched after its task returned, lost with its node (or its actor)."""
+    return ray.exceptions.ObjectLostError, ray.exceptions.RayActorError
+
 RESTART_POLL = 0.2  # s: how long a call waits to hear whether lost actors are back (the others take their clients)
 FETCH_BYTES = 64 * 2**20
 INLINE_BYTES = 64 * 2**10
@@ -210,8 +212,8 @@ class Dispatch:
         calls = [Call(a, chunk, -(-(len(blocks) if sums else len(chunk)) // group), int(stateful), (), [], blocks=blocks)
                  for a, chunk, blocks in pieces]
 
-        def start(call: Call) -> None:  # its states read now: those not yet sent stay in the store (or on disk)
-            if call.actor in self._restarting:  # lost since the call was dealt: a live one takes it
+        def start(call: Call, later: bool = True) -> None:  # its states read now: those not sent stay in the store
+            if later and call.actor in self._restarting:  # lost since the call was dealt: a live one takes it
                 alive = [a for a in range(self.n_actors) if a not in self._restarting] or [call.actor]
                 call.actor = alive[call.actor % len(alive)]
             states = [self.states.get(c) for c in call.chunk] if stateful else None
@@ -221,7 +223,7 @@ class Dispatch:
 
         window = WINDOW * len(live) if in_waves else len(calls)
         for call in calls[:window]:
-            start(call)
+            start(call, later=False)  # an actor faults.* just killed loses its calls, which are redone
         self.seconds["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs, start, window)
 
@@ -254,7 +256,7 @@ class Dispatch:
                     t0 = time.perf_counter()
                     try:
                         results = self.ray.get(group_refs[next_group])
-                    except LATER_LOST as e:  # the task returned, then its node was lost with its results
+                    except later_lost() as e:  # the task returned, then its node was lost with its results
                         a, _ = self._redo(call, e)  # the whole call again; the groups before this one are taken
                         group_refs = call.refs[:call.n_groups]
                         results = self.ray.get(group_refs[next_group])
@@ -284,7 +286,7 @@ class Dispatch:
             return None
         try:
             return self.ray.get(call.refs[-1])
-        except LATER_LOST as e:
+        except later_lost() as e:
             self._redo(call, e)
             return self.ray.get(call.refs[-1])
 

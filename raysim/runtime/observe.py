@@ -1,11 +1,15 @@
 """The platform's metrics through Ray's metrics API, tagged with the run name.
 
 Ray exports them, with its own, on every node's Prometheus endpoint (`ray_raysim_*`), which
-the Dashboard's Metrics view (Grafana) and any Prometheus server read.
+the Dashboard's Metrics view (Grafana) and any Prometheus server read. A run with no Ray
+(its clients trained in the command's process: runtime/here.py) has no endpoint, and
+`for_run` gives it `NoMetrics`.
 """
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge
+from raysim import lazy_ray
+
+Counter, Gauge = "counter", "gauge"  # the kinds, as ray.util.metrics names them
 
 # attribute: (kind, name, description, tag keys): every metric raysim exports
 METRICS = {
@@ -27,12 +31,28 @@ METRICS = {
 EXPORTED = tuple(f"ray_{name}{'_total' if kind is Counter else ''}" for kind, name, _, _ in METRICS.values())
 
 
+def for_run(run: str):
+    """The run's metrics: Ray's when this process has a Ray, else none."""
+    return RayMetrics(run) if lazy_ray.initialized() else NoMetrics()
+
+
+class NoMetrics:
+    def record(self, row: dict) -> None:
+        pass
+
+    def actor_done(self, actor: int, clients: int) -> None:
+        pass
+
+
 class RayMetrics:
     def __init__(self, run: str):
+        from ray.util import metrics
+
         # Ray's metric tags must be ASCII; a run name need not be (run_name=é): escape it here
         self.tags = {"run": run.encode("ascii", "backslashreplace").decode("ascii")}
+        kinds = {Counter: metrics.Counter, Gauge: metrics.Gauge}
         for attr, (kind, name, description, keys) in METRICS.items():
-            setattr(self, attr, kind(name, description, tag_keys=keys))
+            setattr(self, attr, kinds[kind](name, description, tag_keys=keys))
 
     def record(self, row: dict) -> None:
         """One round's metrics row (see FederatedServer.step)."""

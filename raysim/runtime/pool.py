@@ -22,7 +22,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
-import ray
+from raysim.lazy_ray import ray
 
 # ---------------------------------------------------------------- the caller's side: the server
 # the caller's last finished run's server; "key": (node id, job id, code stamp) when it was kept;

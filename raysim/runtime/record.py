@@ -19,7 +19,7 @@ from raysim.config import to_yaml
 from raysim.config.sections import foreign_sections
 from raysim.results.writer import RunWriter, summarize
 from raysim.runtime import checkpoint
-from raysim.runtime.observe import RayMetrics
+from raysim.runtime import observe
 
 
 class RunRecord:
@@ -36,7 +36,7 @@ class RunRecord:
         self.dir = self.writer.dir
         self.t_start = t_start
         self.sizes, self.stragglers, self.attacking = sizes, stragglers, attacking
-        self.metrics = RayMetrics(Path(run_dir).name)
+        self.metrics = observe.for_run(Path(run_dir).name)
         self.rows: list[dict] = []  # the clients table's rows of the round in progress
         self.sim_seconds: dict[int, float] = {}
         self.client_updates = 0

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
-import ray
+from raysim import lazy_ray
+from raysim.lazy_ray import ray
 import torch
 from omegaconf import OmegaConf
 
@@ -79,7 +80,7 @@ class FederatedServer:
             raise
         # the actors start while the data loads; a command on its own machine starts Ray only when
         # its clients' training is worth it (`_where_clients_train`, after the data)
-        self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors) if ray.is_initialized() else None
+        self.dispatch = Dispatch(self.cfg, self.run_dir.name, actors) if lazy_ray.initialized() else None
         try:
             data, part, num_classes = prepare(self.cfg)
         except ConfigError:

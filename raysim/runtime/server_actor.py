@@ -18,7 +18,8 @@ import os
 import traceback
 from pathlib import Path
 
-import ray
+from raysim import lazy_ray
+from raysim.lazy_ray import ray
 
 from raysim.errors import ConfigError, RunDiverged
 
@@ -48,7 +49,7 @@ class ServerHost:
             c = OmegaConf.create(cfg)
             run_dir = Path(c.resume) if c.resume else run_dir_for(c)
             # no Ray yet (a command on its own machine): the server decides after the data (server.attach)
-            self.started = (run_dir, start_client_actors(c, run_dir.name) if ray.is_initialized() else None)
+            self.started = (run_dir, start_client_actors(c, run_dir.name) if lazy_ray.initialized() else None)
         except Exception as e:  # noqa: BLE001  (raised again by setup)
             self.started = e
 
@@ -125,7 +126,16 @@ class ServerHost:
 
 
 class ServerActor(ServerHost):
-    """The Ray actor (its processes are named `ray::ServerActor`)."""
+    """The Ray actor (its processes are named `ray::ServerActor`): `remote_server()`."""
 
 
-ServerActor = ray.remote(num_cpus=0, max_restarts=0)(ServerActor)  # noqa: F811
+_actor = None
+
+
+def remote_server():
+    """`ServerActor` as a Ray actor class: made on first use, so that importing this module
+    imports no Ray (the command hosting its server with no Ray: runtime/here.py)."""
+    global _actor
+    if _actor is None:
+        _actor = ray.remote(num_cpus=0, max_restarts=0)(ServerActor)
+    return _actor

@@ -59,9 +59,10 @@ def state_memory_bytes(cfg) -> float:
     if gb is not None:
         return float(gb) * 2**30
     import psutil
-    import ray
 
-    store = ray.cluster_resources().get("object_store_memory", 0) if ray.is_initialized() else 0
+    from raysim.lazy_ray import initialized, ray
+
+    store = ray.cluster_resources().get("object_store_memory", 0) if initialized() else 0
     free = psutil.virtual_memory().available / 3
     return min(store, free) if store else free
 
