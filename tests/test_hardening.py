@@ -161,9 +161,12 @@ def test_a_dead_server_actor_is_one_line_that_says_how_to_resume(ray_local, tmp_
     assert sum(line.startswith("error") for line in lines) == 1 and "Traceback" not in err
 
 
-def test_ray_that_cannot_start_is_one_line(tmp_path):
+@pytest.mark.parametrize("when", ["resources.ray_start_s=0", "resources.ray_start_s=0.000001"])
+def test_ray_that_cannot_start_is_one_line(tmp_path, when):
+    """Ray started while the config is checked (always Ray), or after the data, when the
+    clients' training would pay for it (runtime/here.py): either way one line, nothing written."""
     (tmp_path / "a-file").write_text("")  # Ray's temp folder cannot be made under a file
-    r = cli([*SMALL, "rounds=1", f"output_dir={tmp_path / 'runs'}"], tmp_path,
+    r = cli([*SMALL, "rounds=1", when, f"output_dir={tmp_path / 'runs'}"], tmp_path,
             env=dict(os.environ, RAY_TMPDIR=str(tmp_path / "a-file" / "ray")), timeout=120)
     assert r.returncode == 2 and "Ray did not start on this machine" in one_error_line(r)
     assert not (tmp_path / "runs").exists()

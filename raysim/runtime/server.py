@@ -199,7 +199,9 @@ class FederatedServer:
         self.record = RunRecord(self.cfg, self.run_dir, self.t_start, ckpt, self.sizes, self.system.stragglers,
                                 self.adversaries.attacking)
         d.record = self.record
-        self.record.log(f"{d.n_actors} client actors ({d.needs} each) for {self.num_clients} clients ({d.why})"
+        actors = ("the clients train in this process" if d.ray is not ray else
+                  f"{d.n_actors} client actors ({d.needs} each)")
+        self.record.log(f"{actors} for {self.num_clients} clients ({d.why})"
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
         self.record.log(self.data_where)
         if self.store_notice:
@@ -235,7 +237,7 @@ class FederatedServer:
             self.record.log(f"checkpoint of round {ckpt['round']} loaded (weights only)")
             self.ckpt = None
         return {"rounds": int(self.cfg.rounds), "start_round": self.start_round, "run_dir": str(self.run_dir),
-                "banner": f"{describe(self.cfg, self.num_clients)}; {d.n_actors} client actors ({d.needs} each)"}
+                "banner": f"{describe(self.cfg, self.num_clients)}; {actors}"}
 
     # ------------------------------------------------------------------ Server API
     def new_model(self) -> torch.nn.Module:
