@@ -103,7 +103,7 @@ def test_ctrl_c_inside_ray_init_ends_the_command_at_once(tmp_path):
     """SIGINT while the command is starting its local Ray (inside ray.init, whose C++ code
     runs no Python signal handler): exit 130 within seconds, one line, nothing written,
     no Ray process of it left."""
-    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *SMALL[:-1], "rounds=50",
+    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *SMALL[:-1], "rounds=50", "resources.ray_start_s=0",
                           f"output_dir={tmp_path / 'runs'}"], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=tmp_path)
     seen = ""

@@ -4,8 +4,10 @@ client actors, bit for bit, resumed or not; a command whose training would pay f
 start starts it after the data; a config that needs client actors gets them."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -57,6 +59,32 @@ def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(t
     assert all(torch.equal(a["global"][k], c["global"][k]) for k in a["global"])
     assert "no Ray" not in (tmp_path / "later" / "log.txt").read_text()
     assert _ray_processes() <= before  # the Ray it started is stopped
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_clients_train_here_keeps_the_rounds_and_resume_ends_the_run(tmp_path):
+    """SIGINT mid-run, the clients training in the command's process: exit 130 with the
+    resume hint, the rounds kept; `resume=` (here too) finishes it with the numbers of a run
+    never stopped (a stateful algorithm, its states in the checkpoint)."""
+    run = tmp_path / "runs" / "r"
+    args = ["dataset=digits", "model=mlp", "num_clients=4", "participation=1.0", "plugins=[stateful_plugin]",
+            "algorithm=test_slow_state_counter", "checkpoint_every=1", "resources.ray_start_s=1000",  # here, however long
+            f"output_dir={tmp_path / 'runs'}"]
+    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args, "run_name=r", "rounds=100"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 150
+    while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and f"resume={run}" in err and "Traceback" not in err, err[-2000:]
+    assert "no Ray" in (run / "log.txt").read_text()
+    _run(tmp_path, f"resume={run}", "rounds=6", "plugins=[stateful_plugin]")
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "rounds=6", "run_name=whole", "--quiet"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (torch.load(tmp_path / "runs" / n / "model.pt", weights_only=True) for n in ("r", "whole"))
+    assert all(torch.equal(a["global"][k], b["global"][k]) for k in a["global"])
 
 
 def test_what_needs_client_actors_gets_them():

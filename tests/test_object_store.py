@@ -45,7 +45,7 @@ def test_data_that_would_crowd_the_store_go_to_files_or_with_memory_the_store_is
     (tmp_path / "big_plugin.py").write_text(PLUGIN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
                RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES=str(75 * 2**20))  # Ray's smallest store: 75 MiB
-    args = ["plugins=[big_plugin]", "dataset=big_vectors", "model=mclr", "rounds=1", "num_clients=4", "partition=iid",
+    args = ["resources.ray_start_s=0", "plugins=[big_plugin]", "dataset=big_vectors", "model=mclr", "rounds=1", "num_clients=4", "partition=iid",
             f"data_store_dir={tmp_path / 'arrays'}"]
     r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "run_name=auto"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=300)

@@ -110,7 +110,8 @@ def test_data_that_nearly_fill_the_object_store_are_named_with_the_setting_to_ch
 
     r = subprocess.run([sys.executable, "-m", "raysim.run", "dataset=synthetic", "partition=natural", "model=mclr",
                         "num_clients=100", "synthetic.samples_per_client=6250", "rounds=1", "clients_per_round=2",
-                        "local.steps=1", "ray.object_store_gb=0.1", "data_store=memory", f"output_dir={tmp_path}",
+                        "local.steps=1", "ray.object_store_gb=0.1", "data_store=memory", "resources.ray_start_s=0",
+                        f"output_dir={tmp_path}",
                         "--quiet"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
