@@ -87,6 +87,15 @@ def test_ctrl_c_while_the_clients_train_here_keeps_the_rounds_and_resume_ends_th
     assert all(torch.equal(a["global"][k], b["global"][k]) for k in a["global"])
 
 
+def test_a_run_with_no_ray_imports_none(tmp_path):
+    """raysim.lazy_ray: importing Ray costs ~0.6 s, which a command training here never needs."""
+    code = ("import sys; from raysim.run import main; "
+            f"code = main(['dataset=digits', 'model=mclr', 'num_clients=4', 'rounds=1', 'output_dir={tmp_path}', "
+            "'--quiet']); print(code, 'ray' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.stdout.split()[-2:] == ["0", "False"], r.stderr[-2000:]
+
+
 def test_what_needs_client_actors_gets_them():
     assert here.cannot(load_config(), stored=False) is None
     for keys, why in ((["resources.num_actors=2"], "resources.num_actors"),
