@@ -154,10 +154,15 @@ class FederatedServer:
         rows = np.asarray(part.train[cid])
         x, y = torch.from_numpy(np.asarray(data.x_train[rows])), torch.from_numpy(np.asarray(data.y_train[rows])).long()
         rng = torch.random.default_generator.get_state()
-        model = model_from(self.cfg, tuple(self.input_shape), self.num_classes)
-        torch.random.default_generator.set_state(rng)
         rounds = int(self.cfg.rounds) - (int(self.ckpt["round"]) if self.ckpt else 0)
-        seconds = here.training_seconds(self.cfg, rounds, model, x, y, lambda b: model_inputs(b, data.pixel_max, data.norm))
+        try:
+            model = model_from(self.cfg, tuple(self.input_shape), self.num_classes)
+            seconds = here.training_seconds(self.cfg, rounds, model, x, y,
+                                            lambda b: model_inputs(b, data.pixel_max, data.norm))
+        except Exception as e:  # noqa: BLE001  (a model plain SGD cannot time: the actors, as before)
+            return f"one client's epoch could not be timed ({type(e).__name__}: {str(e)[:100]})"
+        finally:
+            torch.random.default_generator.set_state(rng)
         ray_pays, words = here.worth_ray(seconds, self.cfg)
         if ray_pays:
             return words
