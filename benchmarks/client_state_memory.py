@@ -30,7 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import throughput as tp  # noqa: E402  (the process-tree memory sampler)
 
-COMMON = ["dataset=synthetic", "synthetic.samples_per_client=25", "partition=natural", "model=mlp",
+COMMON = ["resources.ray_start_s=0",  # client actors, always (a short run would train in the command: runtime/here.py)
+          "dataset=synthetic", "synthetic.samples_per_client=25", "partition=natural", "model=mlp",
           "participation=1.0", "rounds=3", "eval_every=3", "local.epochs=1",
           "local.batch_size=25", "local.lr=0.01", "--quiet"]
 

@@ -43,7 +43,7 @@ WORKLOADS = {
             "bench_images.channels=1", "bench_images.size=28", "partition=iid", "partition.min_size=1", "model=cnn",
             "num_clients=1000", "clients_per_round=1000", "local.batch_size=8", "local.lr=0.01", "local.momentum=0.9"],
 }
-COMMON = ["seed=0", "local.epochs=1", "local.weight_decay=0", "selection=random", "local.vectorize=true",
+COMMON = ["resources.ray_start_s=0", "seed=0", "local.epochs=1", "local.weight_decay=0", "selection=random", "local.vectorize=true",
           "resources.num_actors=2", "checkpoint_every=0"]
 
 

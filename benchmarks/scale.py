@@ -60,7 +60,7 @@ def _env() -> dict:
 
 def run_raysim(name: str, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "raysim.run", "--quiet", *tp.overrides(name), *extra, f"output_dir={tmp}",
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", "resources.ray_start_s=0", *tp.overrides(name), *extra, f"output_dir={tmp}",
                "run_name=r"]
         r, peak = tp.run_measured(cmd, _env())
         if r.returncode != 0:
@@ -95,7 +95,7 @@ COHORT = ["dataset=synthetic", "synthetic.samples_per_client=20", "synthetic.max
 
 def run_cohort(n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "raysim.run", "--quiet", *COHORT, f"num_clients={n}", "eval_every=6",
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", "resources.ray_start_s=0", *COHORT, f"num_clients={n}", "eval_every=6",
                f"output_dir={tmp}", "run_name=r"]
         peak: dict = {}
         r, _ = tp.run_measured(cmd, _env(), by_role=peak)
