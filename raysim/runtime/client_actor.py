@@ -46,6 +46,7 @@ class ClientRunner:
         `here`: in the server's own process, without Ray (runtime/here.py), on the CPU."""
         determinism.before_cuda()
         self.here = here
+        self.fetch = None  # what reads the data references: ray.get, or here.get (set by here.HereActor)
         gpu = not here and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
@@ -62,12 +63,7 @@ class ClientRunner:
         determinism.apply(self.cfg.determinism)  # before the run's first CUDA work in this actor
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
-        if self.here:
-            from raysim.runtime import here
-
-            arrays, train_index = here.get(data_refs)
-        else:
-            arrays, train_index = ray.get(data_refs)
+        arrays, train_index = (self.fetch or ray.get)(data_refs)
         if "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
             from raysim.data import replicate, store
 

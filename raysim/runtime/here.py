@@ -105,6 +105,7 @@ class HereActor:
         from raysim.runtime.client_actor import ClientRunner
 
         self.runner = ClientRunner(here=True)
+        self.runner.fetch = get  # the data references are `put`'s stand-ins
 
     def __getattr__(self, name: str) -> _Method:
         if name not in ("run", "device_info", "die"):
