@@ -99,6 +99,7 @@ class Server(Protocol):
     num_classes: int
     input_shape: tuple
     input_range: tuple  # (smallest, largest) input value in the test set, e.g. for probe inputs
+    sizes: np.ndarray  # each client's number of training samples (FedDyn scales its alpha by them)
 
     def new_model(self) -> torch.nn.Module: ...  # the algorithm's `build_model`, seeded from the run's seed
 

@@ -48,6 +48,7 @@ class InProcessServer:
         self.cfg = cfg
         self.data = [(torch.as_tensor(x), torch.as_tensor(y).long()) for x, y in clients]
         self.num_clients = len(self.data)
+        self.sizes = np.array([len(y) for _, y in self.data])
         self.num_classes = int(num_classes if num_classes is not None
                                else 1 + max(int(y.max()) for _, y in self.data if len(y)))
         self.input_shape = tuple(self.data[0][0].shape[1:])
