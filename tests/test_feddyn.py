@@ -10,6 +10,7 @@ from raysim.contract import Client, ClientResult
 from raysim.run import main
 from raysim.testing import InProcessServer, set_up
 from raysim.training import cpu_state
+from test_baselines import fixed  # a Linear(1, 1) with weight 1 and bias 0
 
 PLAIN = ["local.momentum=0", "local.weight_decay=0", "local.lr=0.1", "algorithm=feddyn", "feddyn.alpha=0.5"]
 
@@ -49,19 +50,11 @@ def test_two_local_steps_follow_the_dynamic_regulariser_and_lambda_gathers_the_m
                           atol=1e-6)
 
 
-def _fixed():
-    m = torch.nn.Linear(1, 1)
-    with torch.no_grad():
-        m.weight.fill_(1.0)
-        m.bias.fill_(0.0)
-    return m
-
-
 def test_the_server_adds_the_mean_of_every_clients_lambda_to_the_mean_of_the_returned_models():
     """N = 4 clients, 2 return: avg = their uniform mean; sum_lam = sum of their moves from x;
     x+ = avg + sum_lam / 4. A second round adds its moves (from the new x) to the sum."""
     t = torch.tensor
-    algo = set_up(load_config(overrides=["algorithm=feddyn", "num_clients=4"]), _fixed, (1,), 1)
+    algo = set_up(load_config(overrides=["algorithm=feddyn", "num_clients=4"]), fixed, (1,), 1)
 
     def res(cid, n, w, b):
         return ClientResult(cid, n, {"weight": t([[w]]), "bias": t([b])}, {"loss": 1.0})

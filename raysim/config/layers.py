@@ -236,20 +236,37 @@ def ray_section(layers: Layers) -> Optional[DictConfig]:
     return ray
 
 
+def asks_for_ray(resources, faults, ray) -> Optional[str]:
+    """Why these config sections need Ray's client actors even on the command's own machine
+    (a key asking for actors, faults that kill their processes, Ray's own views, a cluster),
+    or None: the one list both `may_train_here` and the server's `here.cannot` read."""
+    if ray.address:
+        return "ray.address: a Ray cluster"
+    if float(resources.ray_start_s) <= 0:
+        return "resources.ray_start_s=0"
+    if resources.num_actors is not None or resources.clients_per_actor != "auto":
+        return "resources.num_actors / clients_per_actor ask for client actors"
+    if resources.num_gpus_per_actor > 0:
+        return "resources.num_gpus_per_actor: client actors on GPUs"
+    if faults.kill_rounds or faults.kill_fraction or int(faults.crash_round) >= 0:
+        return "faults.* kill client actors' processes"
+    if ray.dashboard or ray.metrics_port:
+        return "ray.dashboard / ray.metrics_port show Ray's actors and metrics"
+    return None
+
+
 def may_train_here(layers: Layers) -> bool:
     """Whether the layers leave a command on its own machine free to train its clients in
-    its own process, with no Ray (runtime/here.py): no key that asks for client actors or
-    Ray's own views. Read without the schema (a wrong value says so in the whole check);
-    the server decides after the data (`here.cannot`, one client's epoch timed)."""
+    its own process, with no Ray (runtime/here.py): `asks_for_ray` of the `resources`,
+    `faults` and `ray` sections alone, merged on their schema (no plugin, no torch). A value
+    that cannot be read says so in the whole check; the server decides after the data."""
+    from raysim.config.schema import FaultsConfig, RayConfig, ResourcesConfig
+
     try:
-        parts = [OmegaConf.create({k: data[k] for k in ("resources", "faults", "ray") if isinstance(data.get(k), dict)})
-                 for _, data in layers]
-        merged = OmegaConf.merge(*parts) if parts else OmegaConf.create({})
-        r, f, ray = (merged.get(k) or {} for k in ("resources", "faults", "ray"))
-        return (r.get("num_actors") is None and r.get("clients_per_actor", "auto") == "auto"
-                and not r.get("num_gpus_per_actor") and r.get("ray_start_s", 1) != 0
-                and not f.get("kill_rounds") and not f.get("kill_fraction") and int(f.get("crash_round", -1)) < 0
-                and not ray.get("address") and not ray.get("dashboard") and not ray.get("metrics_port"))
+        sections = [OmegaConf.merge(OmegaConf.structured(kind),
+                                    *(data[name] for _, data in layers if isinstance(data.get(name), dict)))
+                    for name, kind in (("resources", ResourcesConfig), ("faults", FaultsConfig), ("ray", RayConfig))]
+        return asks_for_ray(*sections) is None
     except (OmegaConfBaseException, TypeError, ValueError):
         return False
 

@@ -191,15 +191,19 @@ class Dispatch:
         block = int(self.cfg.local.vectorize_group) if vectorized else self.sum_block if sums else 0
         if actor is not None and actor % self.n_actors not in live:  # lost: a live one takes its clients
             actor = live[actor % len(live)]
-        # what each client's update and state take through the object store, both ways
+        # what the updates and states take through the object store, both ways (the asynchronous
+        # loop's calls, placed by it, are never cut)
         wave = min(float(self.cfg.resources.wave_mb) * 2**20, STATE_SHARE * self.store_bytes)
-        cost = {c: size + 2 * self.states.nbytes(c) for c in cids} if stateful else dict.fromkeys(cids, size)
-        in_waves = actor is None and not self.one_per_client and sum(cost.values()) > WINDOW * wave * len(live)
+        traffic = 0
+        if actor is None and not self.one_per_client:
+            traffic = size * len(cids) + (2 * sum(self.states.nbytes(c) for c in cids) if stateful else 0)
+        in_waves = traffic > WINDOW * wave * len(live)
         if in_waves:
+            cost = {c: size + 2 * self.states.nbytes(c) for c in cids} if stateful else dict.fromkeys(cids, size)
             pieces = [(live[i], chunk, blocks) for i, chunk, blocks in placement.waves(cids, cost, len(live), wave, block)]
             if not self._waves_said and self.record is not None:
                 self._waves_said = True
-                self.record.log(f"round {rnd}: {len(cids)} clients' updates and states ({sum(cost.values()) / 2**20:.0f} MB) "
+                self.record.log(f"round {rnd}: {len(cids)} clients' updates and states ({traffic / 2**20:.0f} MB) "
                                 f"go in {len(pieces)} pieces of at most {wave / 2**20:.3g} MB, {WINDOW} in flight per "
                                 "actor (resources.wave_mb)")
         else:

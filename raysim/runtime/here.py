@@ -137,17 +137,12 @@ def cluster_resources() -> dict:
 # ---------------------------------------------------------------- whether a run trains here
 def cannot(cfg, stored: bool) -> Optional[str]:
     """Why `cfg` needs Ray's client actors even on the command's own machine, or None."""
+    from raysim.config.layers import asks_for_ray
     from raysim.registry import ALGORITHMS
 
-    r, f = cfg.resources, cfg.faults
-    if r.num_actors is not None or r.clients_per_actor != "auto":
-        return "resources.num_actors / clients_per_actor ask for client actors"
-    if r.num_gpus_per_actor > 0:
-        return "resources.num_gpus_per_actor: client actors on GPUs"
-    if f.kill_rounds or f.kill_fraction or int(f.crash_round) >= 0:
-        return "faults.* kill client actors' processes"
-    if cfg.ray.dashboard or cfg.ray.metrics_port:
-        return "ray.dashboard / ray.metrics_port show Ray's actors and metrics"
+    why = asks_for_ray(cfg.resources, cfg.faults, cfg.ray)
+    if why is not None:
+        return why
     if stored or cfg.data_store == "files":
         return "the training data are in files (data_store)"
     if getattr(ALGORITHMS.get(cfg.algorithm), "asynchronous", False):

@@ -148,8 +148,6 @@ class FederatedServer:
         why = here.cannot(self.cfg, self.files is not None)
         if why is not None:
             return why
-        if float(self.cfg.resources.ray_start_s) <= 0:
-            return "resources.ray_start_s=0"
         cid = int(np.argsort(self.sizes, kind="stable")[len(self.sizes) // 2])  # a client of the median size
         rows = np.asarray(part.train[cid])
         x, y = torch.from_numpy(np.asarray(data.x_train[rows])), torch.from_numpy(np.asarray(data.y_train[rows])).long()
