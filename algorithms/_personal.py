@@ -43,10 +43,23 @@ from raysim.training import cpu_state, local_sgd, parameter_names
 from raysim.algorithms.fedavg import FedAvg
 
 
+NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)  # what part "norm" holds: BatchNorm1d/2d/3d, SyncBatchNorm
+
+
 def part_keys(model: torch.nn.Module, part: str) -> set[str]:
-    """The state-dict keys of a part of the model: "encoder", "head" or "all"."""
+    """The state-dict keys of a part of the model: "encoder", "head", "all" or "norm" (every
+    BatchNorm layer's weight, bias and statistics: FedBN's local part)."""
     keys = set(model.state_dict())
+    if part == "norm":
+        layers = [name for name, m in model.named_modules() if isinstance(m, NORM_LAYERS)]
+        return {k for k in keys if any(k.startswith(name + ".") for name in layers)}
     return keys if part == "all" else {k for k in keys if k.startswith(part + ".")}
+
+
+def shared_part_keys(model: torch.nn.Module, shared: str, kept: Optional[str]) -> set[str]:
+    """`shared`'s keys less the `kept` part's (FedBN: all but the BatchNorm layers; the
+    encoder / head splits are disjoint already)."""
+    return part_keys(model, shared) - (part_keys(model, kept) if kept else set())
 
 
 def part_state(model: torch.nn.Module, keys: set[str]) -> dict:
@@ -75,8 +88,8 @@ def buffer_keys(model: torch.nn.Module) -> set[str]:
 
 
 class Personal(FedAvg):
-    """FedAvg over `shared` ("encoder", "head" or "all"); each client keeps `kept` ("head",
-    "encoder", or None: nothing of its own) in `client.state["kept"]`, and with
+    """FedAvg over `shared` ("encoder", "head" or "all") less `kept`; each client keeps `kept`
+    ("head", "encoder", "norm": the BatchNorm layers, or None: nothing of its own) in `client.state["kept"]`, and with
     `personal.buffers=local` the shared part's buffers in `client.state["buffers"]`.
     Subclasses change the client's training (`train`) and, for a whole personal model,
     `make_personal` / `keep`."""
@@ -99,7 +112,7 @@ class Personal(FedAvg):
     # ---- server ----
     def setup(self, server: Server) -> None:
         self.model = server.new_model()
-        self.shared_keys = part_keys(self.model, self.shared)
+        self.shared_keys = shared_part_keys(self.model, self.shared, self.kept)
         self.server_rule = ServerRule(self.cfg.server, parameter_names(self.model) & self.shared_keys,
                                       self.server_optimizer())
         # what goes down: the shared part, less its buffers when the clients keep their own
@@ -172,7 +185,9 @@ class Personal(FedAvg):
         if not hasattr(self, "_parts"):
             self._parts = {}
         if part not in self._parts:
-            self._parts[part] = buffer_keys(model) if part == "buffers" else part_keys(model, part)
+            self._parts[part] = (buffer_keys(model) if part == "buffers" else
+                                 shared_part_keys(model, part, self.kept) if part == self.shared else
+                                 part_keys(model, part))
         return self._parts[part]
 
     @classmethod

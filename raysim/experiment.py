@@ -86,6 +86,18 @@ def _check_split(cfg: DictConfig, algorithm, input_shape: tuple, n_classes: int)
     model whose two parts both have weights; else one line naming the models that do."""
     from raysim.registry import MODELS
 
+    if algorithm.kept == "norm":  # FedBN: its clients keep the BatchNorm layers
+        from raysim.algorithms._personal import part_keys
+
+        if part_keys(algorithm.build_model(input_shape), "norm"):
+            return
+        norm = [m for m in MODELS.names() if m != cfg.model and _misfit(
+            lambda: build_model(m, input_shape, n_classes), input_shape) is None
+            and part_keys(build_model(m, input_shape, n_classes), "norm")]
+        raise ConfigError(f"algorithm={cfg.algorithm} keeps each client's BatchNorm layers, but model={cfg.model!r} "
+                          f"has none{' with these model_options' if cfg.model_options else ''} (it would be FedAvg); "
+                          f"models with BatchNorm that fit dataset {cfg.dataset!r}: {', '.join(norm) or 'none'} "
+                          "(vgg9: model_options.norm=batch)")
     empty = _weightless_part(algorithm.build_model(input_shape))
     if empty is None:
         return

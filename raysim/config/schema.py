@@ -56,7 +56,7 @@ class EvalConfig:
 
 @dataclass
 class PersonalConfig:
-    """What the personalised algorithms (FedPer, FedRep, LG-FedAvg, Ditto, APFL, FedBABU) share."""
+    """What the personalised algorithms (FedPer, FedRep, LG-FedAvg, Ditto, APFL, FedBABU, FedBN) share."""
 
     # the shared part's BatchNorm statistics: `shared` (averaged and broadcast, like the parameters) or
     # `local` (each client keeps its own: FedBN's rule, and PFLlib's, whose servers send parameters only)
