@@ -117,7 +117,8 @@ class SGD:
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
               epochs: Optional[int] = None, steps: Optional[int] = None,
               on_gradients: Optional[Callable[[], None]] = None,
-              after_step: Optional[Callable[[], None]] = None, lr: Optional[float] = None) -> dict:
+              after_step: Optional[Callable[[], None]] = None, lr: Optional[float] = None,
+              batch_size: Optional[int] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
     decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
     which differs from `local.epochs` for stragglers). Batches come from the client's
@@ -126,7 +127,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     `after_step` after each step (NIID-Bench's SCAFFOLD corrects the weights there).
     `privacy.mode=local`: DP-SGD instead (privacy/local.py; the config admits only
     algorithms whose loss is a per-sample mean and that pass neither hook). `lr` replaces
-    the round's lr (FedBABU's fine-tuning).
+    the round's lr (FedBABU's fine-tuning), `batch_size` `local.batch_size` (Per-FedAvg
+    splits each batch into its inner and outer ones).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
@@ -137,7 +139,7 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
 
         return private_sgd(client, model, loss_fn, epochs, steps, lr)
     opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
-    n, bs = client.num_samples, int(loc.batch_size)
+    n, bs = client.num_samples, int(loc.batch_size if batch_size is None else batch_size)
     skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one
     model.train()
     total, count, done = 0.0, 0, 0
@@ -447,20 +449,21 @@ def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_cl
                   transform=transform)
 
 
-def personalise(algorithm, client: Client, payload, lr_scale: float = 1.0) -> ClientResult:
+def personalise(algorithm, client: Client, payload, lr_scale: float = 1.0, steps: int = 0) -> ClientResult:
     """The client's own model for personalised evaluation (runtime/personal_eval.py), as a
     state dict of the served model's shape: the served model (`payload["weights"]`), made the
     client's by the algorithm's `make_personal`, then fine-tuned `finetune_epochs(cfg)` epochs
     on the client's training data with a random stream of its own, at `lr_scale` times the
-    round's lr. `client.state` is left as it was: evaluation does not train the client. An algorithm may define its own
+    round's lr (`steps` > 0: that many steps instead, Per-FedAvg's one-step adaptation).
+    `client.state` is left as it was: evaluation does not train the client. An algorithm may define its own
     `personalise` (contract.Algorithm)."""
     model = client.model
     model.load_state_dict(payload["weights"])
     algorithm.make_personal(client, model, payload)
     stats, epochs = {}, int(algorithm.finetune_epochs(client.cfg))
-    if epochs > 0:
+    if epochs > 0 or steps > 0:
         client.generator.manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, 44))
-        stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=0,
+        stats = local_sgd(client, model, base_loss(client.cfg.local), epochs=epochs, steps=steps,
                           lr=round_lr(client.cfg.local, client.round) * lr_scale)
     return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
 
