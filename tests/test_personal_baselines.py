@@ -59,7 +59,8 @@ def test_fedbn_refuses_a_model_without_batchnorm_in_one_line(tmp_path, capsys):
 
 # (algorithm, its model, overrides for learning, the personal accuracy its last 3 rounds reach on digits)
 LEARNS = [("fedbn", ["model=resnet8"], ["partition=dirichlet", "partition.beta=0.5", "rounds=8", "local.lr=0.1"], 0.75),
-          ("perfedavg", ["model=mlp", "perfedavg.beta=0.05"], ["participation=1.0", "rounds=10"], 0.85)]
+          ("perfedavg", ["model=mlp", "perfedavg.beta=0.05"], ["participation=1.0", "rounds=10"], 0.85),
+          ("pfedme", ["model=mlp"], ["participation=1.0", "rounds=10"], 0.8)]
 
 
 @pytest.mark.parametrize("algorithm,model,learn,reaches", LEARNS, ids=[a[0] for a in LEARNS])
@@ -172,3 +173,50 @@ def test_perfedavg_splits_a_short_batch_and_never_trains_on_one_sample():
     assert split(5, 2, 4) == [slice(0, 3), slice(3, 5)]
     assert split(3, 2, 4) == [slice(0, 2), slice(0, 2)]  # D' of one sample: D again
     assert split(7, 3, 4) == [slice(0, 3), slice(3, 6), slice(3, 6)]
+
+
+# ---- pFedMe --------------------------------------------------------------------------------------
+def test_pfedme_solves_the_moreau_envelopes_inner_problem_and_pulls_w_towards_theta():
+    """Full-batch, 2 local rounds (epochs), K = 2: theta starts at w, each round
+    theta <- theta - plr (g(theta) + lambda (theta - w)) twice, then w <- w - eta lambda (w - theta);
+    theta carries over from round to round; the upload is w, the kept personal model theta."""
+    s = server_for("pfedme", "pfedme.k=2", "pfedme.lam=3", "pfedme.personal_lr=0.1", "local.epochs=2",
+                   "local.batch_size=8")
+    w = cpu_state(s.algorithm.model)
+    theta, eta = dict(w), 0.5
+    for _ in range(2):
+        for _ in range(2):
+            g = _grad(theta, X, Y)
+            theta = {k: theta[k] - 0.1 * (g[k] + 3 * (theta[k] - w[k])) for k in w}
+        w = {k: w[k] - eta * 3 * (w[k] - theta[k]) for k in w}
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    for k in w:
+        assert torch.allclose(r.update[k], w[k], atol=1e-5), k
+        assert torch.allclose(s.states[0]["theta"][k], theta[k], atol=1e-5), k
+    (p,) = s.run_clients(1, [0], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
+    assert all(torch.equal(p.update[k], s.states[0]["theta"][k]) for k in w)  # its model: theta
+    (q,) = s.run_clients(1, [1], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
+    served = cpu_state(s.algorithm.model)
+    assert all(torch.equal(q.update[k], served[k]) for k in w)  # never trained: the served model
+
+
+def test_pfedme_server_mixes_the_mean_in_by_beta_and_buffers_take_the_plain_mean():
+    """beta = 2: w+ = w + 2 (avg - w) on the weights; BatchNorm statistics: the plain
+    sample-weighted mean (a running variance cannot be pushed below zero)."""
+    cfg = load_config(overrides=["algorithm=pfedme", "pfedme.beta=2", *BN, "num_clients=2", "clients_per_round=2",
+                                 "local.batch_size=2"])
+    s = InProcessServer(cfg, BN_DATA, 2)
+    s.setup()
+    w = cpu_state(s.algorithm.model)
+    ups = list(s.run_clients(1, [0, 1], s.algorithm.broadcast(1)))
+    s.algorithm.aggregate(1, iter(ups))
+    now = cpu_state(s.algorithm.model)
+    params = {n for n, _ in s.algorithm.model.named_parameters()}
+    for k in w:
+        mean = (ups[0].update[k].double() * 8 + ups[1].update[k].double() * 2) / 10
+        want = w[k].double() + 2 * (mean - w[k].double()) if k in params else mean
+        if k.endswith("num_batches_tracked"):
+            continue
+        assert torch.allclose(now[k].double(), want, atol=1e-5), k
+    with pytest.raises(ConfigError, match="server.optimizer"):
+        load_config(overrides=["algorithm=pfedme", "server.optimizer=adam"])
