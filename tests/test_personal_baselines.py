@@ -60,7 +60,8 @@ def test_fedbn_refuses_a_model_without_batchnorm_in_one_line(tmp_path, capsys):
 # (algorithm, its model, overrides for learning, the personal accuracy its last 3 rounds reach on digits)
 LEARNS = [("fedbn", ["model=resnet8"], ["partition=dirichlet", "partition.beta=0.5", "rounds=8", "local.lr=0.1"], 0.75),
           ("perfedavg", ["model=mlp", "perfedavg.beta=0.05"], ["participation=1.0", "rounds=10"], 0.85),
-          ("pfedme", ["model=mlp"], ["participation=1.0", "rounds=10"], 0.8)]
+          ("pfedme", ["model=mlp"], ["participation=1.0", "rounds=10"], 0.8),
+          ("fedrod", ["model=mlp"], ["rounds=8"], 0.85)]
 
 
 @pytest.mark.parametrize("algorithm,model,learn,reaches", LEARNS, ids=[a[0] for a in LEARNS])
@@ -220,3 +221,38 @@ def test_pfedme_server_mixes_the_mean_in_by_beta_and_buffers_take_the_plain_mean
         assert torch.allclose(now[k].double(), want, atol=1e-5), k
     with pytest.raises(ConfigError, match="server.optimizer"):
         load_config(overrides=["algorithm=pfedme", "server.optimizer=adam"])
+
+
+# ---- FedRoD --------------------------------------------------------------------------------------
+def test_fedrod_trains_the_generic_head_on_balanced_softmax_and_its_own_head_on_the_sum():
+    """Client 0 holds labels 0, 1, 1, 1 (counts 1, 3). One full-batch step at lr 0.5: the
+    encoder and g on CE(g(z) + log n, y); p on CE(g(z) + p(z), y) with g(z) and z fixed. The
+    upload is the encoder and g; p stays home; its personal model's head is g + p."""
+    import torch.nn.functional as F
+
+    y0 = torch.tensor([0, 1, 1, 1])
+    cfg = load_config(overrides=["algorithm=fedrod", *SMALL, "local.batch_size=8"])
+    s = InProcessServer(cfg, [(X, y0), (X, 1 - Y), (X[:2], Y[:2])], 2)
+    s.setup()
+    w = cpu_state(s.algorithm.model)
+    assert torch.equal(w["personal.weight"], w["head.weight"])  # p starts as a copy of the initial head
+    p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    z = F.relu(X @ p["encoder.1.weight"].T + p["encoder.1.bias"])
+    g = z @ p["head.weight"].T + p["head.bias"]
+    bsm = F.cross_entropy(g + torch.tensor([1.0, 3.0]).log(), y0)
+    own = F.cross_entropy(g.detach() + z.detach() @ p["personal.weight"].T + p["personal.bias"], y0)
+    grad = dict(zip(p, torch.autograd.grad(bsm + own, list(p.values()))))
+    want = {k: w[k] - 0.5 * grad[k] for k in w}
+    assert s.algorithm.broadcast(1)["weights"].keys() == {k for k in w if not k.startswith("personal.")}
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    assert set(r.update) == {k for k in w if not k.startswith("personal.")}
+    for k in r.update:
+        assert torch.allclose(r.update[k], want[k], atol=1e-6), k
+    for k in ("personal.weight", "personal.bias"):
+        assert torch.allclose(s.states[0]["kept"][k], want[k], atol=1e-6), k
+        assert not torch.allclose(want[k], w[k])
+    served = cpu_state(s.algorithm.model)
+    (q,) = s.run_clients(1, [0], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
+    for part in ("weight", "bias"):
+        assert torch.allclose(q.update[f"head.{part}"], served[f"head.{part}"] + s.states[0]["kept"][f"personal.{part}"])
+    assert torch.equal(q.update["encoder.1.weight"], served["encoder.1.weight"])
