@@ -132,7 +132,7 @@ class Personal(FedAvg):
         stats = self.train(client, model, payload)
         self.keep(client, model)
         self.keep_buffers(client, model)
-        return ClientResult(client.cid, client.num_samples, part_state(model, self._keys(model, self.shared)), stats)
+        return ClientResult(client.cid, client.num_samples, part_state(model, self._keys(model, "shared")), stats)
 
     def load_global(self, client: Client, model: torch.nn.Module, payload) -> None:
         """The model the client downloads: the initial model, the served weights on it, and,
@@ -144,13 +144,13 @@ class Personal(FedAvg):
         initial model's before its first round); else nothing."""
         if not self.local_buffers:
             return {}
-        keys = self._keys(model, self.shared) & self._keys(model, "buffers")
+        keys = self._keys(model, "shared") & self._keys(model, "buffers")
         return {**{k: v for k, v in self.initial(client).items() if k in keys}, **client.state.get("buffers", {})}
 
     def keep_buffers(self, client: Client, model: torch.nn.Module) -> None:
         """`personal.buffers=local`: the shared part's buffers stay on the client."""
         if self.local_buffers:
-            keys = self._keys(model, self.shared) & self._keys(model, "buffers")
+            keys = self._keys(model, "shared") & self._keys(model, "buffers")
             if keys:
                 client.state["buffers"] = part_state(model, keys)
 
@@ -180,13 +180,13 @@ class Personal(FedAvg):
         return self._initial
 
     def _keys(self, model: torch.nn.Module, part: str) -> set[str]:
-        """`part_keys` of the actor's scratch model ("buffers": `buffer_keys`), worked out
-        once per part."""
+        """`part_keys` of the actor's scratch model ("buffers": `buffer_keys`; "shared": the
+        shared part less the kept, `shared_part_keys`), worked out once per part."""
         if not hasattr(self, "_parts"):
             self._parts = {}
         if part not in self._parts:
             self._parts[part] = (buffer_keys(model) if part == "buffers" else
-                                 shared_part_keys(model, part, self.kept) if part == self.shared else
+                                 shared_part_keys(model, self.shared, self.kept) if part == "shared" else
                                  part_keys(model, part))
         return self._parts[part]
 

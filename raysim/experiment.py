@@ -86,6 +86,8 @@ def _check_split(cfg: DictConfig, algorithm, input_shape: tuple, n_classes: int)
     model whose two parts both have weights; else one line naming the models that do."""
     from raysim.registry import MODELS
 
+    if algorithm.kept == "all":  # FedProto: each client keeps its whole model, nothing of it shared
+        return
     if algorithm.kept == "norm":  # FedBN: its clients keep the BatchNorm layers
         from raysim.algorithms._personal import part_keys
 
