@@ -62,7 +62,8 @@ LEARNS = [("fedbn", ["model=resnet8"], ["partition=dirichlet", "partition.beta=0
           ("perfedavg", ["model=mlp", "perfedavg.beta=0.05"], ["participation=1.0", "rounds=10"], 0.85),
           ("pfedme", ["model=mlp"], ["participation=1.0", "rounds=10"], 0.8),
           ("fedrod", ["model=mlp"], ["rounds=8"], 0.85),
-          ("fedproto", ["model=mlp"], ["participation=1.0", "rounds=6"], 0.9)]
+          ("fedproto", ["model=mlp"], ["participation=1.0", "rounds=6"], 0.9),
+          ("fedala", ["model=mlp"], ["rounds=8"], 0.85)]
 
 
 @pytest.mark.parametrize("algorithm,model,learn,reaches", LEARNS, ids=[a[0] for a in LEARNS])
@@ -321,3 +322,51 @@ def test_fedproto_predicts_by_the_nearest_global_prototype():
     (p,) = s.run_clients(2, [0], s.algorithm.personal_payload("global", s.algorithm.model), method="personalise")
     model.load_state_dict(p.update)
     assert (model(X).argmax(1) == 0).all()
+
+
+# ---- FedALA --------------------------------------------------------------------------------------
+def _ala_by_hand(glob: dict, own: dict, W: dict, passes: int, eta: float = 1.0) -> tuple[dict, dict]:
+    """The head mixed: theta_hat = own + (glob - own) W, W stepped on batches X[0:2], X[2:4]
+    in order; the encoder the global one. (the mixed model, W)."""
+    from test_personal import ce
+
+    W = dict(W)
+    mixed = lambda: {**glob, **{k: own[k] + (glob[k] - own[k]) * W[k] for k in W}}  # noqa: E731
+    for _ in range(passes):
+        for rows in (slice(0, 2), slice(2, 4)):
+            p = {k: v.clone().requires_grad_(k in W) for k, v in mixed().items()}
+            g = dict(zip(W, torch.autograd.grad(ce(p, X[rows], Y[rows]), [p[k] for k in W])))
+            W = {k: torch.clamp(W[k] - eta * g[k] * (glob[k] - own[k]), 0, 1) for k in W}
+    return mixed(), W
+
+
+def test_fedala_mixes_the_head_element_wise_with_learned_weights_and_takes_the_global_encoder():
+    """layer_idx 2 (the head's weight and bias), all of the data in order, batches of 2: a
+    client with its theta and W (hand-set) is evaluated with one pass of W's learning, by
+    hand; its state is untouched by evaluation and updated by training; the first time
+    (no W) passes repeat until the std test passes (here: 2 passes)."""
+    s = server_for("fedala", "local.batch_size=2", "fedala.rand_percent=100", "fedala.eta=0.7")
+    glob = cpu_state(s.algorithm.model)
+    own = {k: v + 0.3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in glob.items()}
+    W = {"head.weight": torch.full((2, 3), 0.5), "head.bias": torch.tensor([0.2, 0.9])}
+    s.states[0] = {"theta": own, "W": list(W.values())}
+    want, W1 = _ala_by_hand(glob, own, W, passes=1, eta=0.7)
+    payload = s.algorithm.personal_payload("global", s.algorithm.model)
+    (p,) = s.run_clients(1, [0], payload, method="personalise")
+    for k in glob:
+        assert torch.allclose(p.update[k], want[k], atol=1e-6), k
+    assert torch.equal(s.states[0]["W"][0], W["head.weight"])  # evaluation leaves the state as it was
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    assert all(torch.allclose(a, W1[k], atol=1e-6) for a, k in zip(s.states[0]["W"], W))
+    assert all(torch.equal(s.states[0]["theta"][k], r.update[k]) for k in glob)  # its trained model stays
+    # the first time ALA runs: W from ones, passes until the std of the last loss is under 1e9 (2 passes)
+    s2 = server_for("fedala", "local.batch_size=2", "fedala.rand_percent=100", "fedala.num_pre_loss=1",
+                    "fedala.threshold=1e9")
+    s2.states[0] = {"theta": own}
+    ones = {k: torch.ones_like(v) for k, v in W.items()}
+    _, W2 = _ala_by_hand(glob, own, ones, passes=2)
+    s2.run_clients(1, [0], s2.algorithm.broadcast(1))
+    assert all(torch.allclose(a, W2[k], atol=1e-6) for a, k in zip(s2.states[0]["W"], W))
+    # never trained: the served model as it is
+    (q,) = s.run_clients(1, [1], payload, method="personalise")
+    assert all(torch.equal(q.update[k], glob[k]) for k in glob)
