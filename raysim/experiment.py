@@ -99,7 +99,7 @@ def _check_split(cfg: DictConfig, algorithm, input_shape: tuple, n_classes: int)
         raise ConfigError(f"algorithm={cfg.algorithm} keeps each client's BatchNorm layers, but model={cfg.model!r} "
                           f"has none{' with these model_options' if cfg.model_options else ''} (it would be FedAvg); "
                           f"models with BatchNorm that fit dataset {cfg.dataset!r}: {', '.join(norm) or 'none'} "
-                          "(vgg9: model_options.norm=batch)")
+                          "(or model_options.norm=batch: mlp, cnn, vgg9)")
     empty = _weightless_part(algorithm.build_model(input_shape))
     if empty is None:
         return

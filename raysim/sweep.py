@@ -11,9 +11,12 @@ file says the same in YAML:
     config: [configs/experiments/niid_bench_mnist_c2.yaml]   # --config files for every point
     fixed: {rounds: 20}
     grid: {seed: [0, 1, 2], algorithm: [fedavg, fedprox]}
+    skip: [{seed: 2, algorithm: fedprox}]   # grid points not to run (a combination that cannot)
 
 A grid value that is a mapping is a set of overrides taken together, for axes whose values
 are not one key (`variant: [{algorithm: fed2}, {algorithm: fedavg, model_options.norm: group}]`).
+Its `label`, if it has one, names it: the point's folder says `setting=mnist_c2`, and
+`setting=mnist_c2` on the command line runs that variant alone (configs/sweeps/results_table.yaml).
 
 Every point is a normal run directory inside the sweep directory (named by its grid
 values), written by the same code as `python -m raysim.run`; `python -m raysim.results.table` and
@@ -66,10 +69,10 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if spec is not None and not isinstance(spec, dict):
             raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
                               f"{type(spec).__name__}")
-        unknown = set(spec or {}) - {"name", "config", "fixed", "grid"}
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
-                              f"fixed, grid")
+                              f"fixed, grid, skip")
         spec = spec or {}
         name = spec.get("name")
         files = spec.get("config") or []
@@ -86,14 +89,20 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"sweep file {file}: grid.{k} must be a non-empty list of values")
             # a value that is a mapping is a set of overrides taken together (an axis of variants)
-            grid[k] = [_dotted(v) if isinstance(v, dict) else v if isinstance(v, str) else json.dumps(v)
-                       for v in values]
+            grid[k] = [_variant(v, f"sweep file {file}: grid.{k}") if isinstance(v, dict) else
+                       v if isinstance(v, str) else json.dumps(v) for v in values]
     for o in args_overrides:
         if "=" not in o:
             raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
         key, value = o.split("=", 1)
         values = split_values(value)
-        if len(values) > 1 or key in grid:  # on the command line, an axis of the file is replaced
+        labels = {_label(v): v for v in grid.get(key, []) if _label(v) is not None}
+        if labels:  # an axis of labelled variants: the command line picks some by label
+            unknown = [v for v in values if v not in labels]
+            if unknown:
+                raise ConfigError(f"{key}={unknown[0]}: not a label of grid.{key}; its labels: {', '.join(labels)}")
+            grid[key] = [labels[v] for v in values]
+        elif len(values) > 1 or key in grid:  # on the command line, an axis of the file is replaced
             grid[key] = values
         else:
             fixed.append(o)
@@ -110,11 +119,30 @@ def _dotted(node: dict, prefix: str = "") -> list[str]:
     return out
 
 
+LABEL = "#label="  # a variant's label, kept first in its list of overrides (not an override)
+
+
+def _variant(mapping: dict, where: str) -> list[str]:
+    """A grid value that is a mapping: its overrides, after its `label` (if it has one), which
+    names the point's folder (`setting=mnist_c2`) and picks it on the command line."""
+    mapping = dict(mapping)
+    label = mapping.pop("label", None)
+    if label is not None and (not isinstance(label, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", label)):
+        raise ConfigError(f"{where}: label {label!r} must be a plain name (letters, digits, . _ -)")
+    return ([LABEL + label] if label is not None else []) + _dotted(mapping)
+
+
+def _label(value) -> str | None:
+    return value[0][len(LABEL):] if isinstance(value, list) and value and value[0].startswith(LABEL) else None
+
+
 def _overrides(key: str, value) -> list[str]:
-    return list(value) if isinstance(value, list) else [f"{key}={value}"]
+    return [o for o in value if not o.startswith(LABEL)] if isinstance(value, list) else [f"{key}={value}"]
 
 
 def _shown(key: str, value) -> str:
+    if _label(value) is not None:  # a labelled variant: setting=mnist_c2
+        return f"{key.split('.')[-1]}={_label(value)}"
     if isinstance(value, list):  # a variant: its first value, then key=value: fed2+norm=batch
         parts = [o.split("=", 1) for o in value]
         shown = [parts[0][1].strip('"')] + [f"{k.split('.')[-1]}={v.strip(chr(34))}" for k, v in parts[1:]]
@@ -122,19 +150,47 @@ def _shown(key: str, value) -> str:
     return f"{key.split('.')[-1]}={value}"
 
 
+def read_skip(file: Path | None, grid: dict) -> list[dict]:
+    """The sweep file's `skip`: grid points not to run, each a mapping {axis: value or
+    label} (`{setting: synthetic, algorithm: fed2}`: a combination that cannot run)."""
+    if file is None:
+        return []
+    from raysim.config import find_config, load_yaml, read_text_file
+
+    path = find_config(str(file))
+    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    skip, axes = spec.get("skip") or [], spec.get("grid") or {}
+    if not isinstance(skip, list) or not all(isinstance(x, dict) and x for x in skip):
+        raise ConfigError(f"sweep file {file}: skip must be a list of mappings {{axis: value}}, got {skip!r:.80}")
+    for entry in skip:
+        for k, v in entry.items():
+            if k not in axes:
+                raise ConfigError(f"sweep file {file}: skip names {k!r}, not a grid axis ({', '.join(axes)})")
+            known = {str(x.get("label")) if isinstance(x, dict) else str(x) for x in axes[k]}
+            if str(v) not in known:
+                raise ConfigError(f"sweep file {file}: skip's {k}={v} is none of grid.{k}'s values or labels")
+    return skip
+
+
+def skipped(values: dict, skip: list[dict]) -> bool:
+    return any(all(str(v) == (_label(values[k]) or values[k]) for k, v in entry.items()) for entry in skip)
+
+
 def point_name(values: dict) -> str:
     text = ",".join(_shown(k, v) for k, v in values.items())
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def plan(files, fixed, grid, sweep_dir: Path) -> list[dict]:
-    """Every point: its name, overrides and state (done / partial / new); each point's config
-    checked here, before anything runs."""
+def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = ()) -> list[dict]:
+    """Every point (less those `skip` names): its name, overrides and state (done / partial /
+    new); each point's config checked here, before anything runs."""
     from raysim.config import read_layers, resolve
 
     points = []
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
+        if skipped(values, skip):
+            continue
         name = point_name(values)
         run_dir = sweep_dir / name
         overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), f"output_dir={sweep_dir}",
@@ -233,14 +289,14 @@ def concurrency(points: list[dict]) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1) // max(need)))
 
 
-def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print) -> Path:
+def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = ()) -> Path:
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
     from raysim.runtime.run_lock import RunLock, check_free
 
     sweep_dir = (output_dir / name).resolve()
     if sweep_dir.is_dir():  # another sweep running into the same folder would run (and remove) the same points
         check_free(sweep_dir)
-    points = plan(files, fixed, grid, sweep_dir)
+    points = plan(files, fixed, grid, sweep_dir, skip)
     todo = [p for p in points if p["state"] != "done"]
     say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
     if not todo:
@@ -312,7 +368,8 @@ def main(argv=None) -> int:
         name = args.name or name or "-".join(k.split(".")[-1] for k in grid)
         if "/" in name or name in ("", ".", ".."):
             raise ConfigError(f"--name {name!r} must be a plain folder name")
-        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir)
+        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir,
+                          skip=read_skip(args.file, grid))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

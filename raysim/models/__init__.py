@@ -24,15 +24,25 @@ def mclr(input_shape: tuple, num_classes: int) -> EncoderHead:
 
 
 @MODELS.register("mlp")
-def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200)) -> EncoderHead:
+def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200), norm: str = "none") -> EncoderHead:
     """ReLU layers of `hidden` sizes: by default two of 200 (McMahan et al.'s MNIST 2NN);
-    `model_options.hidden=[128]` is FedGroup's MLP (101,770 parameters on MNIST)."""
+    `model_options.hidden=[128]` is FedGroup's MLP (101,770 parameters on MNIST).
+    `norm=batch|group`: a normalisation layer after each hidden linear one (FedBN's)."""
     layers: list[nn.Module] = [nn.Flatten()]
     d = _flat_dim(input_shape)
     for h in hidden:
-        layers += [nn.Linear(d, h), nn.ReLU()]
+        layers += [nn.Linear(d, h), *_norm(norm, h, dims=1), nn.ReLU()]
         d = h
     return EncoderHead(nn.Sequential(*layers), d, num_classes)
+
+
+def _norm(kind: str, channels: int, dims: int = 2) -> list[nn.Module]:
+    """The normalisation after a layer of `channels` outputs: none, batch or group."""
+    if kind not in layered.NORMS:
+        raise ValueError(f"norm must be one of {', '.join(layered.NORMS)}, got {kind!r}")
+    if kind == "batch":
+        return [nn.BatchNorm1d(channels) if dims == 1 else nn.BatchNorm2d(channels)]
+    return [nn.GroupNorm(math.gcd(32, channels), channels)] if kind == "group" else []
 
 
 def _conv_features(body: nn.Module, input_shape: tuple) -> int:
@@ -40,11 +50,12 @@ def _conv_features(body: nn.Module, input_shape: tuple) -> int:
         return int(body(torch.zeros(1, *input_shape)).numel())
 
 
-def _lenet_style(input_shape: tuple, num_classes: int, padding: int) -> EncoderHead:
-    """conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling."""
+def _lenet_style(input_shape: tuple, num_classes: int, padding: int, norm: str = "none") -> EncoderHead:
+    """conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling (`norm`: a
+    normalisation layer after each convolution)."""
     body = nn.Sequential(
-        nn.Conv2d(input_shape[0], 6, 5, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Conv2d(input_shape[0], 6, 5, padding=padding), *_norm(norm, 6), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), *_norm(norm, 16), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
     )
     d = _conv_features(body, input_shape)
     enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
@@ -52,9 +63,10 @@ def _lenet_style(input_shape: tuple, num_classes: int, padding: int) -> EncoderH
 
 
 @MODELS.register("cnn")
-def cnn(input_shape: tuple, num_classes: int) -> EncoderHead:
-    """NIID-Bench's simple CNN (also FedConcat's): the LeNet layers without padding."""
-    return _lenet_style(input_shape, num_classes, padding=0)
+def cnn(input_shape: tuple, num_classes: int, norm: str = "none") -> EncoderHead:
+    """NIID-Bench's simple CNN (also FedConcat's): the LeNet layers without padding
+    (`norm=batch|group`: after each convolution)."""
+    return _lenet_style(input_shape, num_classes, padding=0, norm=norm)
 
 
 @MODELS.register("lenet5")

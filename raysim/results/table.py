@@ -14,6 +14,9 @@ runs diverged (their curves end early). `--format`: markdown (default), csv, lat
 FILE` writes it there too.
 
     python -m raysim.results.table runs/sweeps/fedavg-vs-fedprox --rows partition.beta --cols algorithm
+
+`--sweep configs/sweeps/results_table.yaml --doc docs/results.md`: the published table of every
+algorithm (raysim/results/published.py).
 """
 from __future__ import annotations
 
@@ -114,7 +117,11 @@ def render(rows, cols, cells, fmt: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m raysim.results.table", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="+", help="run directories or folders holding them")
+    p.add_argument("paths", nargs="*", help="run directories or folders holding them")
+    p.add_argument("--sweep", type=Path, help="the published table instead: a sweep file over setting, algorithm and "
+                   "seed (configs/sweeps/results_table.yaml); with --doc, writes that document (raysim/results/published.py)")
+    p.add_argument("--doc", type=Path, help="with --sweep: the markdown file to write (docs/results.md)")
+    p.add_argument("--runs-dir", type=Path, help="with --sweep: where the sweep's folder is (default runs/sweeps)")
     p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "
                                   "between the runs, but the columns' and the seed)")
     p.add_argument("--cols", help="config keys for the columns (default: algorithm, when it differs)")
@@ -123,6 +130,10 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=["markdown", "csv", "latex"], default="markdown")
     p.add_argument("--out", type=Path, help="also write the table to this file")
     args = p.parse_args(argv)
+    if args.sweep is not None or args.doc is not None:
+        return _published(args)
+    if not args.paths:
+        p.error("give run directories (PATH ...) or --sweep FILE --doc OUT")
     try:
         rows, cols, cells, counts = build(args.paths, _keys(args.rows) if args.rows is not None else None,
                                           _keys(args.cols) if args.cols is not None else None,
@@ -136,6 +147,22 @@ def main(argv=None) -> int:
     print(f"{', '.join(args.metric or ['final_accuracy'])}: mean +- std over {'/'.join(map(str, n))} run(s) per cell", file=sys.stderr)
     if args.out:
         args.out.write_text(text)
+    return 0
+
+
+def _published(args) -> int:
+    from raysim.results.published import write_doc
+
+    if args.sweep is None or args.doc is None or args.paths:
+        print("error: --sweep FILE --doc OUT go together, with no run directories", file=sys.stderr)
+        return 2
+    try:
+        got = write_doc(args.sweep, args.doc, args.runs_dir,
+                        command=f"python -m raysim.results.table --sweep {args.sweep} --doc {args.doc}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.doc}: {got['done']} of {got['runs']} runs done")
     return 0
 
 

@@ -2,6 +2,7 @@
 per-client records, the final model and `summary.json`."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -119,9 +120,34 @@ class RunWriter:
         self.flush_tables()
         if model_state is not None:
             torch.save(model_state, self.dir / "model.pt")
+            summary = {**summary, "model_sha256": state_sha256(model_state)}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log("summary " + json.dumps(summary))
         if self.trackers is not None:
             for line in self.trackers.finish(summary):
                 self.log(line)
         self.log_file.close()
+
+
+def state_sha256(state) -> str:
+    """SHA-256 of a saved state (model.pt's content) by value: every tensor's key, dtype,
+    shape and bytes and every other value's text, in sorted key order, so the same bits give
+    the same hash whatever torch.save's container format (docs/results.md's hashes)."""
+    h = hashlib.sha256()
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k], f"{path}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        elif torch.is_tensor(obj):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(f"{path}={obj!r}".encode())
+
+    walk(state, "")
+    return h.hexdigest()

@@ -1,0 +1,88 @@
+"""The published results table (issue 56): a sweep over labelled settings x algorithms x
+seeds, with combinations that cannot run skipped, resumes without re-running what is done;
+`python -m raysim.results.table --sweep ... --doc ...` writes the document, each row's config
+and every run's model hash, and running a row's config gives the hashed bits again."""
+import csv
+import json
+import subprocess
+import sys
+
+from raysim.results.table import main as table
+from raysim.run import main as run
+
+SWEEP = """name: t
+fixed: {rounds: 2, num_clients: 6, participation: 0.5, system: {profile: uniform}}
+grid:
+  seed: [0]
+  setting:
+    - {label: digits, dataset: digits, model: mlp, model_options: {hidden: [16]}}
+    - {label: syn, dataset: synthetic, model: mclr, num_clients: 5}
+  algorithm: [fedavg, fedper]
+skip:
+  - {setting: syn, algorithm: fedper}   # mclr's encoder has no weights to share
+"""
+
+
+def sweep(args: list) -> tuple[int, str, str]:
+    """`python -m raysim.sweep ARGS` in its own process (its own local Ray, as a user's)."""
+    p = subprocess.run([sys.executable, "-m", "raysim.sweep", *args], capture_output=True, text=True, timeout=900)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_path):
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    runs = tmp_path / "runs"
+    rc, out, err = sweep(["--file", str(f), "--output-dir", str(runs)])
+    assert rc == 0, err
+    assert sorted(p.name for p in (runs / "t").iterdir() if not p.name.startswith(".")) == [
+        "seed=0,setting=digits,algorithm=fedavg", "seed=0,setting=digits,algorithm=fedper",
+        "seed=0,setting=syn,algorithm=fedavg"]
+    rc, out, _ = sweep(["--file", str(f), "--output-dir", str(runs)])  # nothing to run again
+    assert rc == 0 and "3 points, 3 done, 0 to run" in out
+
+    doc = tmp_path / "docs" / "results.md"
+    assert table(["--sweep", str(f), "--doc", str(doc), "--runs-dir", str(runs)]) == 0
+    text = doc.read_text()
+    assert "## digits" in text and "## syn" in text and "3 of 3 runs done" in text
+    fedavg = json.loads((runs / "t" / "seed=0,setting=digits,algorithm=fedavg" / "summary.json").read_text())
+    assert f"| [fedavg](results/digits/fedavg.yaml) | {100 * fedavg['final_accuracy']:.1f} ± 0.0 |" in text
+    fedper_row = next(line for line in text.splitlines() if line.startswith("| [fedper](results/digits/"))
+    assert "†" in fedper_row and fedper_row.split("|")[3].strip() != "-"  # its own models' accuracy
+    assert "| fedper | not run |" in text and "fedper on syn" in text
+    hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "model-sha256.csv").open()))
+    assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
+
+    # one cell again from its linked config: the same bits
+    cell = tmp_path / "docs" / "results" / "digits" / "fedavg.yaml"
+    assert "output_dir" not in cell.read_text() and "seed" not in cell.read_text().split("\n")[0]
+    assert run(["--config", str(cell), "seed=0", f"output_dir={tmp_path / 'again'}", "run_name=r", "--quiet"]) == 0
+    again = json.loads((tmp_path / "again" / "r" / "summary.json").read_text())
+    want = next(h for h in hashes if h["setting"] == "digits" and h["algorithm"] == "fedavg")
+    assert again["model_sha256"] == want["model_sha256"] == fedavg["model_sha256"]
+
+
+def test_a_labelled_setting_is_picked_on_the_command_line_and_a_wrong_one_is_one_line(tmp_path):
+    from raysim.sweep import parse, plan, read_skip
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    _, files, fixed, grid = parse(["setting=syn", "algorithm=fedavg,fedper"], f)
+    points = plan(files, fixed, grid, tmp_path / "t", read_skip(f, grid))
+    assert [p["name"] for p in points] == ["seed=0,setting=syn,algorithm=fedavg"]  # fedper on syn: skipped
+    assert 'dataset="synthetic"' in points[0]["overrides"]
+
+
+def test_the_wrong_label_and_skip_are_one_line_each(tmp_path, capfd):
+    from raysim.sweep import main as sweep_here
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    assert sweep_here(["--file", str(f), "--output-dir", str(tmp_path), "setting=mnist"]) == 2
+    err = capfd.readouterr().err
+    assert "setting=mnist: not a label of grid.setting; its labels: digits, syn" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SWEEP.replace("{setting: syn, algorithm: fedper}", "{setting: cifar, algorithm: fedper}"))
+    assert sweep_here(["--file", str(bad), "--output-dir", str(tmp_path)]) == 2
+    assert "skip's setting=cifar is none of grid.setting's values or labels" in capfd.readouterr().err
+    assert not (tmp_path / "t").exists()
