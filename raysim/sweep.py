@@ -96,8 +96,9 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
             raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
         key, value = o.split("=", 1)
         values = split_values(value)
-        labels = {_label(v): v for v in grid.get(key, []) if _label(v) is not None}
-        if labels:  # an axis of labelled variants: the command line picks some by label
+        axis = grid.get(key, [])
+        if any(_label(v) is not None for v in axis):  # labelled variants: the command line picks by label (or value)
+            labels = {_label(v) or v: v for v in axis if _label(v) is not None or isinstance(v, str)}
             unknown = [v for v in values if v not in labels]
             if unknown:
                 raise ConfigError(f"{key}={unknown[0]}: not a label of grid.{key}; its labels: {', '.join(labels)}")
