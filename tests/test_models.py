@@ -41,9 +41,31 @@ def test_mlp_hidden_layers_are_an_option_and_fedgroups_mlp_has_its_parameter_cou
     assert sum(p.numel() for p in model_from(cfg, (1, 28, 28), 10).parameters()) == 101_770  # FedGroup's MLP on MNIST
     with pytest.raises(ConfigError, match="model_options.depth: model 'mlp' takes hidden"):
         load_config(overrides=["model_options.depth=3"])
-    with pytest.raises(ConfigError, match="model_options.hidden: model 'cnn' takes no options"):
+    with pytest.raises(ConfigError, match="model_options.hidden: model 'cnn' takes norm, width"):
         load_config(overrides=["model=cnn", "model_options.hidden=[8]"])
     # the server and the client actors build the same network
     assert main(["model_options.hidden=[16]", "rounds=2", f"output_dir={tmp_path}", "run_name=h", "--quiet"]) == 0
     weights = torch.load(tmp_path / "h" / "model.pt", weights_only=True)["global"]
     assert [tuple(v.shape) for k, v in weights.items() if k.endswith("weight")] == [(16, 64), (10, 16)]
+
+
+def test_mlp_and_cnn_take_a_norm_and_a_width_and_width_one_leaves_them_as_they_were():
+    """`norm=batch` puts BatchNorm after each hidden layer (FedBN's); `width` scales every
+    hidden size, rounded up (HeteroFL's sub-models); width 1 builds the same weights."""
+    from torch import nn
+
+    from raysim.config import ConfigError, load_config
+
+    for name, shape in (("mlp", (64,)), ("cnn", (1, 28, 28))):
+        torch.manual_seed(0)
+        a = build_model(name, shape, 10)
+        torch.manual_seed(0)
+        b = build_model(name, shape, 10, {"width": 1.0})
+        assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+        bn = build_model(name, shape, 10, {"norm": "batch"})
+        assert any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) for m in bn.modules())
+        assert bn(torch.randn(4, *shape)).shape == (4, 10)
+    half = build_model("cnn", (1, 28, 28), 10, {"width": 0.25})
+    assert [m.out_channels for m in half.modules() if isinstance(m, nn.Conv2d)] == [2, 4]  # ceil(6/4), 16/4
+    with pytest.raises(ConfigError, match="model_options.width must be a number > 0"):
+        load_config(overrides=["model=cnn", "model_options.width=0"])

@@ -56,7 +56,8 @@ class EvalConfig:
 
 @dataclass
 class PersonalConfig:
-    """What the personalised algorithms (FedPer, FedRep, LG-FedAvg, Ditto, APFL, FedBABU, FedBN) share."""
+    """What the personalised algorithms built on algorithms/_personal.py (FedPer, FedRep, LG-FedAvg, Ditto, APFL,
+    FedBABU, FedBN, FedRoD, FedProto) share."""
 
     # the shared part's BatchNorm statistics: `shared` (averaged and broadcast, like the parameters) or
     # `local` (each client keeps its own: FedBN's rule, and PFLlib's, whose servers send parameters only)

@@ -24,16 +24,23 @@ def mclr(input_shape: tuple, num_classes: int) -> EncoderHead:
 
 
 @MODELS.register("mlp")
-def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200), norm: str = "none") -> EncoderHead:
+def mlp(input_shape: tuple, num_classes: int, hidden: tuple = (200, 200), norm: str = "none",
+        width: float = 1.0) -> EncoderHead:
     """ReLU layers of `hidden` sizes: by default two of 200 (McMahan et al.'s MNIST 2NN);
     `model_options.hidden=[128]` is FedGroup's MLP (101,770 parameters on MNIST).
-    `norm=batch|group`: a normalisation layer after each hidden linear one (FedBN's)."""
+    `norm=batch|group`: a normalisation layer after each hidden linear one (FedBN's).
+    `width`: every hidden size times it, rounded up (HeteroFL's model rate)."""
     layers: list[nn.Module] = [nn.Flatten()]
     d = _flat_dim(input_shape)
-    for h in hidden:
+    for h in (_scaled(h, width) for h in hidden):
         layers += [nn.Linear(d, h), *_norm(norm, h, dims=1), nn.ReLU()]
         d = h
     return EncoderHead(nn.Sequential(*layers), d, num_classes)
+
+
+def _scaled(size: int, width: float) -> int:
+    """A hidden size at `width` (HeteroFL's ceil(rate * size)); width 1 leaves it."""
+    return size if width == 1 else max(1, math.ceil(width * size))
 
 
 def _norm(kind: str, channels: int, dims: int = 2) -> list[nn.Module]:
@@ -50,23 +57,25 @@ def _conv_features(body: nn.Module, input_shape: tuple) -> int:
         return int(body(torch.zeros(1, *input_shape)).numel())
 
 
-def _lenet_style(input_shape: tuple, num_classes: int, padding: int, norm: str = "none") -> EncoderHead:
+def _lenet_style(input_shape: tuple, num_classes: int, padding: int, norm: str = "none",
+                 width: float = 1.0) -> EncoderHead:
     """conv5x5(6)-pool-conv5x5(16)-pool-fc120-fc84 with ReLU and max pooling (`norm`: a
-    normalisation layer after each convolution)."""
+    normalisation layer after each convolution; `width`: every hidden size times it)."""
+    c1, c2, f1, f2 = (_scaled(n, width) for n in (6, 16, 120, 84))
     body = nn.Sequential(
-        nn.Conv2d(input_shape[0], 6, 5, padding=padding), *_norm(norm, 6), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), *_norm(norm, 16), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Conv2d(input_shape[0], c1, 5, padding=padding), *_norm(norm, c1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 5), *_norm(norm, c2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
     )
     d = _conv_features(body, input_shape)
-    enc = nn.Sequential(body, nn.Linear(d, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
-    return EncoderHead(enc, 84, num_classes)
+    enc = nn.Sequential(body, nn.Linear(d, f1), nn.ReLU(), nn.Linear(f1, f2), nn.ReLU())
+    return EncoderHead(enc, f2, num_classes)
 
 
 @MODELS.register("cnn")
-def cnn(input_shape: tuple, num_classes: int, norm: str = "none") -> EncoderHead:
+def cnn(input_shape: tuple, num_classes: int, norm: str = "none", width: float = 1.0) -> EncoderHead:
     """NIID-Bench's simple CNN (also FedConcat's): the LeNet layers without padding
-    (`norm=batch|group`: after each convolution)."""
-    return _lenet_style(input_shape, num_classes, padding=0, norm=norm)
+    (`norm=batch|group`: after each convolution; `width`: hidden sizes times it, HeteroFL's)."""
+    return _lenet_style(input_shape, num_classes, padding=0, norm=norm, width=width)
 
 
 @MODELS.register("lenet5")
@@ -227,6 +236,9 @@ def check_model_options(name: str, options: dict) -> None:
             least = 0 if takes[key] == 0 else 1
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise ConfigError(f"model_options.{key} must be an integer >= {least}, got {value!r}")
+        if isinstance(takes[key], float) and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                   and value > 0):
+            raise ConfigError(f"model_options.{key} must be a number > 0, got {value!r}")
         if key in MODEL_OPTION_CHOICES and value not in MODEL_OPTION_CHOICES[key]:
             raise ConfigError(f"model_options.{key} must be one of {', '.join(MODEL_OPTION_CHOICES[key])}, "
                               f"got {value!r}")

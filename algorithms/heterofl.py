@@ -1,0 +1,203 @@
+"""HeteroFL (Diao, Ding, Tarokh 2021, "HeteroFL: Computation and Communication Efficient
+Federated Learning for Heterogeneous Clients"): clients with models of different widths. A
+client of model rate r trains the global model's sub-model whose every hidden layer keeps its
+first ceil(r * size) units (the input and the classes whole): the model zoo's `width` option
+builds it (`model_options.width`: mlp, cnn), and the sub-model's weights are the leading
+slices of the global ones along every dimension (a Linear after Flatten reads the first
+channels' positions first: channel-major). The server averages each element over the clients
+whose sub-model holds it (`heterofl.weighting=clients`: each counts 1, the authors';
+`samples`: by their samples) and keeps an element no one trained; with `heterofl.mask` (the
+authors' default) a client's logits of the classes it does not hold are 0 in training and
+only its classes' rows of the classifier are averaged from it.
+
+Client rates: `heterofl.rates` (the paper's levels a-e: 1, 1/2, 1/4, 1/8, 1/16) in
+`heterofl.proportions`, each client's level drawn once from (seed, client id) and kept (the
+authors' "fix" mode). `heterofl.scaler` (theirs): a sub-model's hidden layers' outputs times
+1/r in training only, so a narrow model's activations keep the whole one's scale. The global
+model (width 1) is evaluated, and the global model cut to each smaller rate in use
+(`width_<r>`), as the paper's per-level accuracies.
+
+Compared with the authors' code (dem123456789/HeteroFL-Computation-and-Communication-Efficient-
+Federated-Learning-for-Heterogeneous-Clients, fed.py `split_model` / `combine`; models/conv.py's
+Scaler). Not followed: their static BatchNorm (statistics recomputed after training) is part
+of their own networks, which the zoo's models do not have (cnn and mlp have no BatchNorm); every
+client downloads the whole global model here (bytes_down counts it), where theirs receive the
+sub-model only. FjORD's ordered dropout and FedRolex's rolling windows are not implemented."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List
+
+import torch
+import torch.nn.functional as F
+
+from raysim.contract import Client, ClientResult, Server
+from raysim.errors import ConfigError
+from raysim.options import Options, option
+from raysim.registry import ALGORITHMS
+from raysim.seeds import seed_for
+from raysim.training import base_loss, cpu_state, local_sgd
+
+from raysim.algorithms.fedavg import FedAvg
+
+RATE_STREAM = 56  # the seed stream of a client's model rate
+
+
+@dataclass
+class HeteroFLOptions(Options):
+    rates: List[float] = option([1.0, 0.5, 0.25, 0.125, 0.0625])  # the model rates (widths) clients may have
+    proportions: List[float] = option([0.2, 0.2, 0.2, 0.2, 0.2])  # the share of clients at each rate
+    weighting: str = option("clients", choices=("clients", "samples"))  # an element's mean over the clients holding it
+    mask: bool = option(True)  # logits of classes the client lacks are 0 in training; only its classes' rows averaged
+    scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (the authors')
+
+    def check(self, cfg, section: str) -> None:
+        from raysim.models import model_option_defaults
+
+        if len(self.rates) != len(self.proportions) or not self.rates:
+            raise ConfigError(f"{section}.rates and {section}.proportions must be lists of the same length, got "
+                              f"{len(self.rates)} and {len(self.proportions)}")
+        if not all(0 < r <= 1 for r in self.rates):
+            raise ConfigError(f"{section}.rates must be in (0, 1], got {list(self.rates)}")
+        if any(p < 0 for p in self.proportions) or sum(self.proportions) <= 0:
+            raise ConfigError(f"{section}.proportions must be >= 0 with a positive sum, got {list(self.proportions)}")
+        if not isinstance(model_option_defaults(cfg.model).get("width"), float):  # resnet8's is an integer multiple
+            raise ConfigError(f"algorithm=heterofl: model={cfg.model!r} has no width option (a fraction of its hidden "
+                              "sizes); models with one: mlp, cnn")
+
+
+def client_rate(cfg, cid: int) -> float:
+    """Client `cid`'s model rate: drawn once from (seed, cid) by `heterofl.proportions`."""
+    o = cfg.heterofl
+    g = torch.Generator().manual_seed(seed_for(int(cfg.seed), cid, RATE_STREAM))
+    return float(o.rates[int(torch.multinomial(torch.tensor(list(o.proportions), dtype=torch.float64), 1,
+                                               generator=g))])
+
+
+def leading(full: torch.Tensor, shape) -> tuple:
+    """The index of a tensor's leading block of `shape` (every dimension cut from 0; a
+    0-dimensional tensor, e.g. a batch counter: itself)."""
+    return tuple(slice(0, n) for n in shape)
+
+
+@ALGORITHMS.register("heterofl")
+class HeteroFL(FedAvg):
+    Options = HeteroFLOptions
+    server_parts = ()
+    own_server_rule = "its server averages each element over the clients whose sub-model holds it"
+    trains_on_base_loss = False  # masked logits (heterofl.mask); local.focal_gamma does not apply
+    trains_privately = False
+    returns_model = False  # sub-models of other shapes: model attacks replace whole models
+
+    def setup(self, server: Server) -> None:
+        super().setup(server)
+        widths = sorted({float(r) for r in self.cfg.heterofl.rates if r < 1}, reverse=True)
+        self.sub_models = {r: self.width_model(r) for r in widths}
+        for sub in self.sub_models.values():
+            sub.load_state_dict(self.cut(self.model.state_dict(), sub))
+
+    def width_model(self, rate: float) -> torch.nn.Module:
+        """The configured model at `rate` times its width (its weights are loaded, never its own)."""
+        from omegaconf import OmegaConf
+
+        from raysim.models import build_model
+
+        options = OmegaConf.to_container(self.cfg.model_options)
+        options["width"] = rate * float(options.get("width", 1.0))
+        with torch.random.fork_rng(devices=[]):  # building draws initial weights: not from the run's stream
+            return build_model(self.cfg.model, self.input_shape, self.num_classes, options)
+
+    def aggregate(self, rnd: int, results: Iterator[ClientResult]) -> dict:
+        state = self.model.state_dict()
+        total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
+        count = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
+        samples = self.cfg.heterofl.weighting == "samples"
+        loss_sum, n = 0.0, 0
+        for r in results:
+            w = float(r.num_samples) if samples else 1.0
+            rows = r.update.get("classes")
+            for k, v in r.update.items():
+                if k == "classes":
+                    continue
+                at = leading(state[k], v.shape)
+                if rows is not None and k.startswith("head."):  # only the client's classes' rows
+                    keep = torch.zeros(v.shape[0], dtype=torch.bool)
+                    keep[rows] = True
+                    mask = keep.reshape(-1, *([1] * (v.dim() - 1))).expand_as(v).double()
+                else:
+                    mask = torch.ones_like(v, dtype=torch.float64)
+                total[k][at] += v.double() * mask * w
+                count[k][at] += mask * w
+            loss_sum += r.metrics["loss"] * r.num_samples
+            n += r.num_samples
+        if n == 0:  # every client dropped out: keep the model
+            return {}
+        new = {k: torch.where(count[k] > 0, total[k] / count[k].clamp(min=1e-300), state[k].double()).to(state[k].dtype)
+               if state[k].is_floating_point() else state[k] for k in state}
+        self.model.load_state_dict(new)
+        for rate, sub in self.sub_models.items():
+            sub.load_state_dict(self.cut(new, sub))
+        return {"train_loss": loss_sum / n}
+
+    @staticmethod
+    def cut(full: dict, sub: torch.nn.Module) -> dict:
+        """The global weights' leading slices in `sub`'s shapes."""
+        return {k: full[k][leading(full[k], v.shape)].clone() for k, v in sub.state_dict().items()}
+
+    def eval_models(self) -> dict:
+        return {"global": self.model, **{f"width_{r:g}": m for r, m in getattr(self, "sub_models", {}).items()}}
+
+    def state_dict(self) -> dict:
+        return {"global": self.model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["global"])
+        for sub in self.sub_models.values():
+            sub.load_state_dict(self.cut(self.model.state_dict(), sub))
+
+    # ---- client ----
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        rate = client_rate(client.cfg, client.cid)
+        model = client.model if rate == 1 else self._scratch(client, rate)
+        model.load_state_dict(self.cut(payload["weights"], model))
+        classes = torch.unique(client.y).cpu() if client.cfg.heterofl.mask else None
+        stats = local_sgd(client, model, self.local_loss_for(client, classes))
+        update = cpu_state(model)
+        if classes is not None:
+            update["classes"] = classes
+        return ClientResult(client.cid, client.num_samples, update, {**stats, "rate": rate})
+
+    def local_loss_for(self, client: Client, classes):
+        if classes is None:
+            return base_loss(client.cfg.local)
+        keep = torch.zeros(client.num_classes, dtype=torch.bool, device=client.device)
+        keep[classes.to(client.device)] = True
+
+        def loss(model, x, y):
+            return F.cross_entropy(model(x).masked_fill(~keep, 0.0), y)
+
+        return loss
+
+    def _scratch(self, client: Client, rate: float) -> torch.nn.Module:
+        """The actor's model at `rate`, built once per rate."""
+        if not hasattr(self, "_widths"):
+            self._widths = {}
+        if rate not in self._widths:
+            model = self.width_model(rate).to(client.device)
+            if client.cfg.heterofl.scaler:
+                scale(model, rate)
+            self._widths[rate] = model
+        return self._widths[rate]
+
+
+def scale(model: torch.nn.Module, rate: float) -> None:
+    """The authors' Scaler: every linear / convolutional layer of the encoder has its output
+    divided by `rate` in training (in evaluation, as it is), so a narrow sub-model's
+    activations keep the whole model's scale, as inverted dropout does."""
+    def hook(module, inputs, output):
+        return output / rate if module.training else output
+
+    for m in model.encoder.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+            m.register_forward_hook(hook)
+

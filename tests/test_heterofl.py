@@ -1,0 +1,112 @@
+"""HeteroFL (algorithms/heterofl.py): width-sliced sub-models of the zoo's models, the
+element-wise mean over the clients holding each element, by hand; the client rates; it learns
+on digits with the same bits on 1 and 3 actors, in process and resumed."""
+import pytest
+import torch
+
+from raysim.algorithms.heterofl import HeteroFL, client_rate, leading
+from raysim.config import load_config
+from raysim.contract import ClientResult
+from raysim.models import build_model
+from raysim.run import main
+from raysim.testing import set_up
+
+
+@pytest.mark.parametrize("model,shape", [("cnn", (1, 28, 28)), ("mlp", (64,))])
+def test_a_sub_model_is_the_leading_block_of_every_layer(model, shape):
+    """Zero every weight of the whole model outside the leading blocks of the rate-1/2 model:
+    the units outside get no input, so the whole model computes exactly what the sub-model,
+    loaded with the leading slices, computes (conv channels before a Linear are read
+    channel-major: the first channels' positions first)."""
+    torch.manual_seed(0)
+    full = build_model(model, shape, 10)
+    half = build_model(model, shape, 10, {"width": 0.5})
+    state = full.state_dict()
+    for k, v in half.state_dict().items():
+        keep = torch.zeros_like(state[k])
+        keep[leading(state[k], v.shape)] = 1
+        state[k] = state[k] * keep
+    full.load_state_dict(state)
+    half.load_state_dict(HeteroFL.cut(state, half))
+    x = torch.randn(5, *shape)
+    assert torch.allclose(full(x), half(x), atol=1e-5)
+    assert sum(p.numel() for p in half.parameters()) < 0.4 * sum(p.numel() for p in full.parameters())
+
+
+def test_each_element_is_the_mean_of_the_clients_holding_it_and_the_rest_stays():
+    """mlp 2-4-3; client A at rate 1, client B at rate 1/2 (hidden 2). Hidden rows 0-1: the
+    mean of A's and B's; rows 2-3: A's alone. With masking, head rows of classes a client
+    lacks are not taken from it: B holds class 0 only, so head rows 1-2 are A's; A holds
+    classes 0 and 1, so row 2 is no one's: it keeps the server's value."""
+    cfg = load_config(overrides=["algorithm=heterofl", "model=mlp", "model_options.hidden=[4]", "num_clients=2",
+                                 "heterofl.rates=[1.0,0.5]", "heterofl.proportions=[0.5,0.5]"])
+    algo = set_up(cfg, None, (2,), 3)
+    before = {k: v.clone() for k, v in algo.model.state_dict().items()}
+    a = {k: torch.full_like(v, 2.0) for k, v in before.items()}
+    b = {"encoder.1.weight": torch.full((2, 2), 4.0), "encoder.1.bias": torch.full((2,), 4.0),
+         "head.weight": torch.full((3, 2), 4.0), "head.bias": torch.full((3,), 4.0)}
+    algo.aggregate(1, iter([ClientResult(0, 10, {**a, "classes": torch.tensor([0, 1])}, {"loss": 1.0}),
+                            ClientResult(1, 30, {**b, "classes": torch.tensor([0])}, {"loss": 1.0})]))
+    now = algo.model.state_dict()
+    assert torch.equal(now["encoder.1.weight"][:2], torch.full((2, 2), 3.0))
+    assert torch.equal(now["encoder.1.weight"][2:], torch.full((2, 2), 2.0))
+    assert torch.equal(now["head.weight"][0], torch.tensor([3.0, 3.0, 2.0, 2.0]))  # both hold class 0 (B: 2 columns)
+    assert torch.equal(now["head.weight"][1], torch.full((4,), 2.0))  # A's alone
+    assert torch.equal(now["head.weight"][2], before["head.weight"][2])  # no one's: as it was
+    assert torch.equal(now["head.bias"], torch.tensor([3.0, 2.0, float(before["head.bias"][2])]))
+    half = algo.eval_models()["width_0.5"].state_dict()
+    assert torch.equal(half["encoder.1.weight"], now["encoder.1.weight"][:2, :])  # the evaluated cut follows
+
+
+def test_sample_weighting_and_no_mask():
+    cfg = load_config(overrides=["algorithm=heterofl", "model=mlp", "model_options.hidden=[4]", "num_clients=2",
+                                 "heterofl.weighting=samples", "heterofl.mask=false"])
+    algo = set_up(cfg, None, (2,), 3)
+    a = {k: torch.full_like(v, 2.0) for k, v in algo.model.state_dict().items()}
+    b = {"encoder.1.weight": torch.full((2, 2), 4.0), "encoder.1.bias": torch.full((2,), 4.0),
+         "head.weight": torch.full((3, 2), 4.0), "head.bias": torch.full((3,), 4.0)}
+    algo.aggregate(1, iter([ClientResult(0, 10, a, {"loss": 1.0}), ClientResult(1, 30, b, {"loss": 1.0})]))
+    now = algo.model.state_dict()
+    assert torch.allclose(now["encoder.1.weight"][:2], torch.full((2, 2), 3.5))  # (2 * 10 + 4 * 30) / 40
+    assert torch.allclose(now["head.bias"], torch.full((3,), 3.5))
+
+
+def test_client_rates_are_fixed_per_client_and_follow_the_proportions():
+    cfg = load_config(overrides=["algorithm=heterofl", "model=mlp", "heterofl.rates=[1.0,0.25]",
+                                 "heterofl.proportions=[0.25,0.75]"])
+    rates = [client_rate(cfg, c) for c in range(400)]
+    assert rates == [client_rate(cfg, c) for c in range(400)]
+    assert set(rates) == {1.0, 0.25} and 0.65 < rates.count(0.25) / 400 < 0.85
+    other = load_config(overrides=["algorithm=heterofl", "model=mlp", "seed=1", "heterofl.rates=[1.0,0.25]",
+                                   "heterofl.proportions=[0.25,0.75]"])
+    assert [client_rate(other, c) for c in range(400)] != rates
+
+
+def test_a_model_without_width_and_bad_rates_are_one_line(capsys, tmp_path):
+    from raysim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="algorithm=heterofl: model='resnet8' has no width option"):
+        load_config(overrides=["algorithm=heterofl", "model=resnet8"])
+    with pytest.raises(ConfigError, match=r"heterofl.rates must be in \(0, 1\]"):
+        load_config(overrides=["algorithm=heterofl", "heterofl.rates=[1.0,2.0]", "heterofl.proportions=[0.5,0.5]"])
+    with pytest.raises(ConfigError, match="same length"):
+        load_config(overrides=["algorithm=heterofl", "heterofl.rates=[1.0]"])
+
+
+def test_heterofl_learns_on_digits_with_the_same_bits_on_any_actors_and_resumed(ray_local, tmp_path):
+    import pyarrow.parquet as pq
+    from same_bits import same_bits_on_ray_and_in_process
+
+    common = ["algorithm=heterofl", "dataset=digits", "model=mlp", "num_clients=10", "participation=0.5",
+              "rounds=3", "heterofl.rates=[1.0,0.5,0.25]", "heterofl.proportions=[0.4,0.3,0.3]"]
+    models, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 3))
+    assert {r["cid"] for r in rows[0]} and len(rows[0]) == 15
+    assert main([*common, "rounds=2", "checkpoint_every=2", f"output_dir={tmp_path}", "run_name=part", "--quiet"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=3", "--quiet"]) == 0
+    resumed = torch.load(tmp_path / "part" / "model.pt", weights_only=True)["global"]
+    assert all(torch.equal(models[0][k], resumed[k]) for k in resumed)
+    assert main([*common, "rounds=12", "participation=1.0", f"output_dir={tmp_path}", "run_name=learn", "--quiet"]) == 0
+    curve = pq.read_table(tmp_path / "learn" / "metrics.parquet").to_pylist()
+    last = [r["accuracy"] for r in curve[-3:]]
+    assert sum(last) / 3 > 0.8, [r["accuracy"] for r in curve]
+    assert curve[-1]["width_0.5_accuracy"] > 0.3  # the half-width cut of the global model learns too
