@@ -132,7 +132,11 @@ class Personal(FedAvg):
         stats = self.train(client, model, payload)
         self.keep(client, model)
         self.keep_buffers(client, model)
-        return ClientResult(client.cid, client.num_samples, part_state(model, self._keys(model, "shared")), stats)
+        return ClientResult(client.cid, client.num_samples, self.upload(client, model), stats)
+
+    def upload(self, client: Client, model: torch.nn.Module) -> dict:
+        """What the client sends: the shared part (FedProto: its class prototypes instead)."""
+        return part_state(model, self._keys(model, "shared"))
 
     def load_global(self, client: Client, model: torch.nn.Module, payload) -> None:
         """The model the client downloads: the initial model, the served weights on it, and,

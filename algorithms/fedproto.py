@@ -33,7 +33,7 @@ from raysim.errors import ConfigError
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim import training
-from raysim.training import base_loss, local_sgd
+from raysim.training import base_loss
 
 from raysim.algorithms._personal import Personal
 
@@ -106,18 +106,11 @@ class FedProto(Personal):
 
         return loss
 
-    def train(self, client: Client, model: torch.nn.Module, payload: dict) -> dict:
-        return local_sgd(client, model, self.local_loss(client, payload))
-
-    def client_update(self, client: Client, payload: dict) -> ClientResult:
-        model = client.model
-        self.load_global(client, model, payload)
-        self.make_personal(client, model, payload)
-        stats = self.train(client, model, payload)
-        self.keep(client, model)
+    def upload(self, client: Client, model: torch.nn.Module) -> dict:
+        """Its class prototypes after training, and each class's count: no weights."""
         protos, counts = local_prototypes(model, client.x, client.y, client.num_classes,
                                           int(client.cfg.local.batch_size))
-        return ClientResult(client.cid, client.num_samples, {"protos": protos, "counts": counts}, stats)
+        return {"protos": protos, "counts": counts}
 
     def personalise(self, client: Client, payload) -> ClientResult:
         """The client's own model (fine-tuned with `eval.finetune_epochs`), predicting by its
