@@ -22,7 +22,14 @@ Federated-Learning-for-Heterogeneous-Clients, fed.py `split_model` / `combine`; 
 Scaler). Not followed: their static BatchNorm (statistics recomputed after training) is part
 of their own networks, which the zoo's models do not have (cnn and mlp have no BatchNorm); every
 client downloads the whole global model here (bytes_down counts it), where theirs receive the
-sub-model only. FjORD's ordered dropout and FedRolex's rolling windows are not implemented."""
+sub-model only.
+
+`heterofl.variant=fjord` is FjORD (Horvath et al. 2021, "FjORD: Fair and Accurate Federated
+Learning under heterogeneous targets with Ordered Dropout"): a client of rate r holds the
+width-r model and, each local step, trains the width-p sub-model of it for p drawn uniformly
+from the rates <= r (ordered dropout: the leading units), the same element-wise mean at the
+server; no Scaler. Its optional self-distillation and FedRolex's rolling windows are not
+implemented."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +37,7 @@ from typing import Iterator, List
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from raysim.contract import Client, ClientResult, Server
 from raysim.errors import ConfigError
@@ -49,7 +57,8 @@ class HeteroFLOptions(Options):
     proportions: List[float] = option([0.2, 0.2, 0.2, 0.2, 0.2])  # the share of clients at each rate
     weighting: str = option("clients", choices=("clients", "samples"))  # an element's mean over the clients holding it
     mask: bool = option(True)  # logits of classes the client lacks are 0 in training; only its classes' rows averaged
-    scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (the authors')
+    scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (the authors'; not FjORD's)
+    variant: str = option("heterofl", choices=("heterofl", "fjord"))  # fjord: each step trains a width <= the client's
 
     def check(self, cfg, section: str) -> None:
         from raysim.models import model_option_defaults
@@ -161,7 +170,10 @@ class HeteroFL(FedAvg):
         model = client.model if rate == 1 else self._scratch(client, rate)
         model.load_state_dict(self.cut(payload["weights"], model))
         classes = torch.unique(client.y).cpu() if client.cfg.heterofl.mask else None
-        stats = local_sgd(client, model, self.local_loss_for(client, classes))
+        loss = self.local_loss_for(client, classes)
+        if client.cfg.heterofl.variant == "fjord":
+            loss = self.ordered_dropout(client, rate, loss)
+        stats = local_sgd(client, model, loss)
         update = cpu_state(model)
         if classes is not None:
             update["classes"] = classes
@@ -178,13 +190,36 @@ class HeteroFL(FedAvg):
 
         return loss
 
+    def ordered_dropout(self, client: Client, rate: float, loss_of):
+        """FjORD: each step, a width p drawn uniformly from the rates <= the client's (from
+        (seed, round, client)), and the loss of the width-p sub-model computed on the leading
+        slices of the client's own model, so its step moves those slices only."""
+        widths = sorted(float(r) for r in client.cfg.heterofl.rates if r <= rate)
+        g = torch.Generator().manual_seed(seed_for(int(client.cfg.seed), client.round, client.cid, RATE_STREAM + 1))
+
+        def loss(model, x, y):
+            p = widths[int(torch.randint(len(widths), (1,), generator=g))]
+            return loss_of(self.narrowed(client, model, p, rate), x, y)
+
+        return loss
+
+    def narrowed(self, client: Client, model: torch.nn.Module, p: float, rate: float):
+        """`model` (the client's, at `rate`) as its width-p sub-model: a function of the
+        leading slices of its own parameters (views: gradients flow back into them)."""
+        if p == rate:
+            return model
+        sub = self._scratch(client, p)
+        shapes = {n: q.shape for n, q in sub.named_parameters()}
+        params = {n: q[leading(q, shapes[n])] for n, q in model.named_parameters()}
+        return lambda x: functional_call(sub, params, (x,))
+
     def _scratch(self, client: Client, rate: float) -> torch.nn.Module:
         """The actor's model at `rate`, built once per rate."""
         if not hasattr(self, "_widths"):
             self._widths = {}
         if rate not in self._widths:
             model = self.width_model(rate).to(client.device)
-            if client.cfg.heterofl.scaler:
+            if client.cfg.heterofl.scaler and client.cfg.heterofl.variant == "heterofl":
                 scale(model, rate)
             self._widths[rate] = model
         return self._widths[rate]

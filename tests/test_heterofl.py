@@ -93,12 +93,41 @@ def test_a_model_without_width_and_bad_rates_are_one_line(capsys, tmp_path):
         load_config(overrides=["algorithm=heterofl", "heterofl.rates=[1.0]"])
 
 
-def test_heterofl_learns_on_digits_with_the_same_bits_on_any_actors_and_resumed(ray_local, tmp_path):
+def test_fjords_step_at_a_narrower_width_is_the_sub_models_written_into_the_leading_block():
+    """Ordered dropout: the loss of the width-1/2 sub-model of a client's whole model,
+    computed on its leading slices, gives the whole model the half model's gradient in the
+    leading blocks and 0 elsewhere."""
+    from raysim.training import new_client
+
+    cfg = load_config(overrides=["algorithm=heterofl", "heterofl.variant=fjord", "model=mlp",
+                                 "model_options.hidden=[8]", "heterofl.rates=[1.0,0.5]",
+                                 "heterofl.proportions=[0.5,0.5]"])
+    algo = set_up(cfg, None, (4,), 3)
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    torch.manual_seed(1)
+    whole = build_model("mlp", (4,), 3, {"hidden": [8]})
+    client = new_client(cfg, 1, 0, x, y, 3, {}, whole, epochs=1)
+    narrow = algo.narrowed(client, whole, 0.5, 1.0)
+    torch.nn.functional.cross_entropy(narrow(x), y).backward()
+    half = build_model("mlp", (4,), 3, {"hidden": [8], "width": 0.5})
+    half.load_state_dict(HeteroFL.cut(whole.state_dict(), half))
+    torch.nn.functional.cross_entropy(half(x), y).backward()
+    for (n, p), (_, q) in zip(whole.named_parameters(), half.named_parameters()):
+        at = leading(p, q.shape)
+        assert torch.allclose(p.grad[at], q.grad, atol=1e-6), n
+        outside = p.grad.clone()
+        outside[at] = 0
+        assert torch.count_nonzero(outside) == 0, n
+
+
+@pytest.mark.parametrize("variant", ["heterofl", "fjord"])
+def test_heterofl_learns_on_digits_with_the_same_bits_on_any_actors_and_resumed(ray_local, tmp_path, variant):
     import pyarrow.parquet as pq
     from same_bits import same_bits_on_ray_and_in_process
 
     common = ["algorithm=heterofl", "dataset=digits", "model=mlp", "num_clients=10", "participation=0.5",
-              "rounds=3", "heterofl.rates=[1.0,0.5,0.25]", "heterofl.proportions=[0.4,0.3,0.3]"]
+              "rounds=3", "heterofl.rates=[1.0,0.5,0.25]", "heterofl.proportions=[0.4,0.3,0.3]",
+              f"heterofl.variant={variant}"]
     models, rows = same_bits_on_ray_and_in_process(tmp_path, common, (1, 3))
     assert {r["cid"] for r in rows[0]} and len(rows[0]) == 15
     assert main([*common, "rounds=2", "checkpoint_every=2", f"output_dir={tmp_path}", "run_name=part", "--quiet"]) == 0

@@ -99,6 +99,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "`python -m raysim.run --config <that file> seed=0` runs one cell's seed 0, and its summary.json's "
              "`model_sha256` can be checked against results/model-sha256.csv (the same bits on the same torch "
              "build and CPU kind).", ""]
+    head = [line[1:].strip() for line in _leading_comments(sweep_file)]
+    if head:  # the sweep file's own account of its settings and what was cut to fit
+        lines += ["From the sweep file:", "", *[f"> {line}" if line else ">" for line in head], ""]
     index = {(p["setting"], p["algorithm"]): [] for p in plan["points"]}
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
@@ -137,6 +140,17 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     w.writerows(sorted(hashes, key=lambda h: (h["setting"], h["algorithm"], str(h["seed"]))))
     (side / "model-sha256.csv").write_text(buf.getvalue())
     return {"runs": len(plan["points"]), "done": len(done)}
+
+
+def _leading_comments(sweep_file: Path) -> list[str]:
+    from raysim.config import find_config
+
+    out = []
+    for line in Path(find_config(str(sweep_file))).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        out.append(line)
+    return out
 
 
 def _write_config(run_dir: Path, to: Path) -> None:
