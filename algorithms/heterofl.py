@@ -28,8 +28,12 @@ sub-model only.
 Learning under heterogeneous targets with Ordered Dropout"): a client of rate r holds the
 width-r model and, each local step, trains the width-p sub-model of it for p drawn uniformly
 from the rates <= r (ordered dropout: the leading units), the same element-wise mean at the
-server; no Scaler. Its optional self-distillation and FedRolex's rolling windows are not
-implemented."""
+server; no Scaler. Its optional self-distillation is not implemented. `variant=fedrolex` is
+FedRolex (Alam, Liu, Yan, Zhang 2022, "FedRolex: Model-Heterogeneous Federated Learning with
+Rolling Sub-Model Extraction"): in round t a client of rate r trains hidden units
+(t + i) mod K, i < ceil(rK), of each layer (`rolled`): a window that rolls over the whole
+model, so every unit is trained by narrow clients too (with the authors' Scaler and masking
+options as HeteroFL's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +62,7 @@ class HeteroFLOptions(Options):
     weighting: str = option("clients", choices=("clients", "samples"))  # an element's mean over the clients holding it
     mask: bool = option(True)  # logits of classes the client lacks are 0 in training; only its classes' rows averaged
     scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (the authors'; not FjORD's)
-    variant: str = option("heterofl", choices=("heterofl", "fjord"))  # fjord: each step trains a width <= the client's
+    variant: str = option("heterofl", choices=("heterofl", "fjord", "fedrolex"))  # fjord: each step a width <= the client's; fedrolex: rolling windows
 
     def check(self, cfg, section: str) -> None:
         from raysim.models import model_option_defaults
@@ -87,6 +91,38 @@ def leading(full: torch.Tensor, shape) -> tuple:
     """The index of a tensor's leading block of `shape` (every dimension cut from 0; a
     0-dimensional tensor, e.g. a batch counter: itself)."""
     return tuple(slice(0, n) for n in shape)
+
+
+def rolled(full: dict, shapes: dict, offset: int) -> dict:
+    """FedRolex's sub-model of round `offset`: for each tensor of `full` (a chain of layers in
+    state-dict order: each weight of 2+ dimensions starts a layer, the 1-dimensional tensors
+    after it are that layer's), the index that picks the sub-model's `shapes`. A hidden layer
+    of K units keeps units (offset + i) mod K, i < k (sorted); the next layer's inputs are the
+    same units (after a Flatten, each unit's block of positions, channel-major); the classes
+    and the inputs stay whole. Offset 0 is HeteroFL's leading block."""
+    out, prev, cur = {}, None, None
+    for key, t in full.items():
+        shape = shapes[key]
+        if t.dim() == 0:
+            out[key] = ()
+            continue
+        if t.dim() >= 2 or cur is None or cur[0] != t.shape[0]:  # a new layer
+            prev = cur
+            k, n = t.shape[0], shape[0]
+            cur = (k, torch.sort((offset + torch.arange(n)) % k).values if n < k else torch.arange(k))
+        idx = [cur[1]]
+        if t.dim() >= 2:
+            k_in, n_in = t.shape[1], shape[1]
+            if n_in == k_in or prev is None:
+                idx.append(torch.arange(k_in))
+            elif k_in == prev[0]:
+                idx.append(prev[1])
+            else:  # a Linear after Flatten: each unit's block of k_in / K positions
+                block = k_in // prev[0]
+                idx.append((prev[1][:, None] * block + torch.arange(block)).reshape(-1))
+            idx += [torch.arange(d) for d in t.shape[2:]]
+        out[key] = torch.meshgrid(*idx, indexing="ij")
+    return out
 
 
 @ALGORITHMS.register("heterofl")
@@ -122,13 +158,15 @@ class HeteroFL(FedAvg):
         count = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
         samples = self.cfg.heterofl.weighting == "samples"
         loss_sum, n = 0.0, 0
+        rolex = self.cfg.heterofl.variant == "fedrolex"
         for r in results:
             w = float(r.num_samples) if samples else 1.0
             rows = r.update.get("classes")
+            windows = rolled(state, {k: v.shape for k, v in r.update.items()}, rnd) if rolex else {}
             for k, v in r.update.items():
                 if k == "classes":
                     continue
-                at = leading(state[k], v.shape)
+                at = windows[k] if rolex else leading(state[k], v.shape)
                 if rows is not None and k.startswith("head."):  # only the client's classes' rows
                     keep = torch.zeros(v.shape[0], dtype=torch.bool)
                     keep[rows] = True
@@ -149,9 +187,10 @@ class HeteroFL(FedAvg):
         return {"train_loss": loss_sum / n}
 
     @staticmethod
-    def cut(full: dict, sub: torch.nn.Module) -> dict:
-        """The global weights' leading slices in `sub`'s shapes."""
-        return {k: full[k][leading(full[k], v.shape)].clone() for k, v in sub.state_dict().items()}
+    def cut(full: dict, sub: torch.nn.Module, windows: dict | None = None) -> dict:
+        """The global weights' leading slices in `sub`'s shapes (or at FedRolex's `windows`)."""
+        return {k: full[k][windows[k] if windows else leading(full[k], v.shape)].clone()
+                for k, v in sub.state_dict().items()}
 
     def eval_models(self) -> dict:
         return {"global": self.model, **{f"width_{r:g}": m for r, m in getattr(self, "sub_models", {}).items()}}
@@ -168,7 +207,11 @@ class HeteroFL(FedAvg):
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         rate = client_rate(client.cfg, client.cid)
         model = client.model if rate == 1 else self._scratch(client, rate)
-        model.load_state_dict(self.cut(payload["weights"], model))
+        full = payload["weights"]
+        windows = None
+        if client.cfg.heterofl.variant == "fedrolex":  # this round's window of every hidden layer
+            windows = rolled(full, {k: v.shape for k, v in model.state_dict().items()}, client.round)
+        model.load_state_dict(self.cut(full, model, windows))
         classes = torch.unique(client.y).cpu() if client.cfg.heterofl.mask else None
         loss = self.local_loss_for(client, classes)
         if client.cfg.heterofl.variant == "fjord":

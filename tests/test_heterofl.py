@@ -4,7 +4,7 @@ on digits with the same bits on 1 and 3 actors, in process and resumed."""
 import pytest
 import torch
 
-from raysim.algorithms.heterofl import HeteroFL, client_rate, leading
+from raysim.algorithms.heterofl import HeteroFL, client_rate, leading, rolled
 from raysim.config import load_config
 from raysim.contract import ClientResult
 from raysim.models import build_model
@@ -31,6 +31,33 @@ def test_a_sub_model_is_the_leading_block_of_every_layer(model, shape):
     x = torch.randn(5, *shape)
     assert torch.allclose(full(x), half(x), atol=1e-5)
     assert sum(p.numel() for p in half.parameters()) < 0.4 * sum(p.numel() for p in full.parameters())
+
+
+@pytest.mark.parametrize("model,shape,norm", [("cnn", (1, 28, 28), "none"), ("mlp", (64,), "batch")])
+def test_fedrolex_windows_pick_a_sub_model_of_the_whole_one(model, shape, norm):
+    """FedRolex's round-7 windows: zero every weight outside them and the whole model computes
+    what the rate-1/2 sub-model loaded from them computes (units (7 + i) mod K of each layer,
+    their positions after the Flatten); offset 0 is HeteroFL's leading block."""
+    torch.manual_seed(0)
+    full = build_model(model, shape, 10, {"norm": norm})
+    half = build_model(model, shape, 10, {"norm": norm, "width": 0.5})
+    state = full.state_dict()
+    shapes = {k: v.shape for k, v in half.state_dict().items()}
+    lead = HeteroFL.cut(state, half, rolled(state, shapes, 0))
+    assert all(torch.equal(lead[k], v) for k, v in HeteroFL.cut(state, half).items())
+    windows = rolled(state, shapes, 7)
+    first = next(k for k in state if k.endswith("weight"))
+    assert not torch.equal(HeteroFL.cut(state, half, windows)[first], lead[first])  # it rolled
+    for k, at in windows.items():
+        if state[k].dim() and state[k].is_floating_point() and not k.endswith("running_var"):
+            keep = torch.zeros_like(state[k])
+            keep[at] = 1
+            state[k] = state[k] * keep
+    full.load_state_dict(state)
+    half.load_state_dict(HeteroFL.cut(state, half, windows))
+    full.eval(), half.eval()
+    x = torch.randn(5, *shape)
+    assert torch.allclose(full(x), half(x), atol=1e-5)
 
 
 def test_each_element_is_the_mean_of_the_clients_holding_it_and_the_rest_stays():
@@ -120,7 +147,7 @@ def test_fjords_step_at_a_narrower_width_is_the_sub_models_written_into_the_lead
         assert torch.count_nonzero(outside) == 0, n
 
 
-@pytest.mark.parametrize("variant", ["heterofl", "fjord"])
+@pytest.mark.parametrize("variant", ["heterofl", "fjord", "fedrolex"])
 def test_heterofl_learns_on_digits_with_the_same_bits_on_any_actors_and_resumed(ray_local, tmp_path, variant):
     import pyarrow.parquet as pq
     from same_bits import same_bits_on_ray_and_in_process
