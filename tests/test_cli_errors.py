@@ -8,7 +8,7 @@ from raysim.run import main
 
 CASES = [
     (["dataset=nope"], "dataset='nope' is not a known dataset; choose one of: "),  # (a test's plugin may add one)
-    (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: apfl, ccvr, creff, ditto, fed2, fedasync, fedavg"),
+    (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: apfl, ccvr, creff, ditto, fed2, fedala, fedasync, fedavg"),
     (["model=transformer"], "model='transformer' is not a known model"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
