@@ -1,7 +1,8 @@
 """FedBN (Li, Jiang, Zhang, Kamp, Dou 2021, "FedBN: Federated Learning on Non-IID Features via
 Local Batch Normalization", Algorithm 1): FedAvg, except that every BatchNorm layer (its
 weight and bias and its running statistics) stays on its client; the rest of the model is
-averaged. Its personal model: the global model with its own BatchNorm layers. On a model
+averaged. Its personal model: the global model with its own BatchNorm layers. A model with
+a `norm` option gets `norm=batch` unless the config sets it (said in the log); on a model
 with no BatchNorm it would be FedAvg, so such a model is refused (experiment.py).
 
 Compared with the authors' code (med-air/FedBN, federated/fed_digits.py `communication`:
@@ -23,3 +24,4 @@ class FedBN(Personal):
     shared = "all"  # less the kept BatchNorm layers
     unshared = "BatchNorm layers"  # on the server: the initial ones, no client's
     kept = "norm"
+    model_options_default = {"norm": "batch"}  # mlp / cnn / the VGGs: with BatchNorm unless the config says

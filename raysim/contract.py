@@ -226,6 +226,9 @@ class Algorithm:
     (`personalise`; runtime/personal_eval.py), as `eval.finetune_epochs` does for any algorithm.
     A personalised run tests its clients' own models on their own test splits:
     `partition.test_fraction` is 0.2 when no layer of the config sets it (config/layers.py)."""
+    model_options_default: ClassVar[dict] = {}
+    """Model options the method needs (FedBN: `{"norm": "batch"}`), given to a model that takes
+    them when no layer of the config sets them (config/layers.py; said in the log)."""
     unshared: ClassVar[Optional[str]] = None
     """The part of the server's model no client uploads (FedPer's head, LG-FedAvg's encoder),
     which stays at its initial weights: the server's model is then no client's, its accuracy

@@ -49,12 +49,22 @@ def test_fedbn_keeps_every_batchnorm_layer_on_its_client_and_averages_the_rest()
     assert int(s.states[1]["kept"]["encoder.2.num_batches_tracked"]) == 2
 
 
-def test_fedbn_refuses_a_model_without_batchnorm_in_one_line(tmp_path, capsys):
-    assert main(["algorithm=fedbn", "dataset=digits", "model=mlp", "rounds=1", f"output_dir={tmp_path}",
-                 "run_name=r", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "algorithm=fedbn keeps each client's BatchNorm layers, but model='mlp' has none" in err, err
-    assert "resnet8" in err and "Traceback" not in err and not (tmp_path / "r").exists()
+def test_fedbn_gives_a_model_with_a_norm_option_batchnorm_and_refuses_one_without(tmp_path, capsys):
+    """`algorithm=fedbn` alone: the default mlp gets `norm=batch` (said in the log); a model
+    set to no normalisation, or with no BatchNorm at all, is one line naming those that have it."""
+    from raysim.config import describe_layers, read_layers, resolve
+
+    layers = read_layers((), ["algorithm=fedbn"])
+    cfg = resolve(layers)
+    assert cfg.model == "mlp" and cfg.model_options.norm == "batch"
+    assert any("model_options.norm=batch" in line for line in describe_layers(layers, cfg))
+    assert resolve(read_layers((), ["algorithm=fedbn", "model=resnet8"])).model_options == {}
+    for model in (["model=mlp", "model_options.norm=none"], ["model=mclr"]):
+        assert main(["algorithm=fedbn", "dataset=digits", *model, "rounds=1", f"output_dir={tmp_path}",
+                     "run_name=r", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "keeps each client's BatchNorm layers, but model=" in err and "has none" in err, err
+        assert "resnet8" in err and "Traceback" not in err and not (tmp_path / "r").exists()
 
 
 # (algorithm, its model, overrides for learning, the personal accuracy its last 3 rounds reach on digits)

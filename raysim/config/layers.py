@@ -114,6 +114,23 @@ def defaulted_test_split(layers: Layers, cfg) -> bool:
                    for _, data in layers)
 
 
+def defaulted_model_options(layers: Layers, cfg) -> dict:
+    """What the algorithm needs of the model (contract.Algorithm.model_options_default, FedBN's
+    `norm: batch`) that the run's model takes and no layer of the config sets (said in the
+    log: `describe_layers`)."""
+    if cfg.algorithm not in registry.ALGORITHMS:
+        return {}
+    wanted = registry.ALGORITHMS.get(cfg.algorithm).model_options_default
+    if not wanted or cfg.model not in registry.MODELS:
+        return {}
+    from raysim.models import model_option_defaults
+
+    takes = model_option_defaults(cfg.model)
+    set_by_a_layer = {k for _, data in layers if isinstance(data.get("model_options"), dict)
+                      for k in data["model_options"]}
+    return {k: v for k, v in wanted.items() if k in takes and k not in set_by_a_layer}
+
+
 def describe_layers(layers: Layers, cfg) -> list[str]:
     """Lines for the user: which files were layered, and the sections of --config files that
     this run does not read."""
@@ -130,6 +147,9 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
         lines.append(f"note: algorithm={cfg.algorithm} tests each client's own model on its own test split: "
                      f"partition.test_fraction={PERSONAL_TEST_FRACTION} of each client's samples (set "
                      "partition.test_fraction to choose)")
+    for key, value in defaulted_model_options(layers, cfg).items():
+        lines.append(f"note: algorithm={cfg.algorithm} needs model_options.{key}={value} of model={cfg.model} "
+                     f"(set model_options.{key} to choose)")
     return lines
 
 
@@ -206,6 +226,8 @@ def resolve(layers: Layers, cwd: Optional[str] = None) -> DictConfig:
         raise
     if defaulted_test_split(layers, cfg):
         cfg.partition.test_fraction = PERSONAL_TEST_FRACTION
+    for key, value in defaulted_model_options(layers, cfg).items():
+        cfg.model_options[key] = value
     validate(cfg)
     check_sections(layers, cfg)
     name_plugins_used(cfg)
