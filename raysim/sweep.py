@@ -315,6 +315,9 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     from raysim.runtime.ray_session import start_ray
 
     start_ray(load_config(files, fixed).ray, command=True)
+    from raysim.runtime import pool
+
+    pool.release()  # an earlier run's kept processes (a notebook's) hold CPUs the points' actors need
     at_once = concurrency(todo)
     say(f"running {len(todo)} point(s) on Ray Tune, {at_once} at a time")
     tuner = tune.Tuner(

@@ -86,3 +86,18 @@ def test_the_wrong_label_and_skip_are_one_line_each(tmp_path, capfd):
     assert sweep_here(["--file", str(bad), "--output-dir", str(tmp_path)]) == 2
     assert "skip's setting=cifar is none of grid.setting's values or labels" in capfd.readouterr().err
     assert not (tmp_path / "t").exists()
+
+
+def test_a_sweep_after_a_run_in_the_same_ray_session_gets_the_cpus(ray_local, tmp_path):
+    """A run in this process keeps its server and client actors for the next run
+    (`ray.reuse_workers`), holding the session's CPUs; a sweep started next in the same
+    session (a notebook) releases them, so its points' actors are placed (they waited out
+    `resources.placement_timeout` before)."""
+    from raysim.sweep import main as sweep_here
+
+    common = ["dataset=digits", "model=mlp", "num_clients=6", "rounds=1", "resources.num_actors=4"]
+    assert run([*common, "resources.ray_start_s=0", f"output_dir={tmp_path}", "run_name=first", "--quiet"]) == 0
+    assert ray_local.available_resources().get("CPU", 0) < 1  # the kept actors hold them
+    assert sweep_here([*common, "seed=0,1", "resources.placement_timeout=60", "--output-dir", str(tmp_path),
+                       "--name", "after"]) == 0
+    assert all((tmp_path / "after" / f"seed={s}" / "summary.json").is_file() for s in (0, 1))
