@@ -14,7 +14,9 @@ same run gives the same model on warm and on fresh processes (tested). What does
 imported code, so a server is reused only while raysim's sources and the run's plugin
 modules are unchanged on disk (`code_stamp`); edits to other modules a plugin imports need
 `raysim.shutdown()` or `ray.reuse_workers=false`. A run that fails does not leave its
-processes. The CLI's Ray stops when the command ends, so there this changes nothing.
+processes. The CLI's Ray stops when the command ends, so there this changes nothing. A
+sweep releases them before its points start (its points run in Tune's processes, which
+cannot take them over, and would wait for their CPUs).
 """
 from __future__ import annotations
 
