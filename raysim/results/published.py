@@ -28,6 +28,7 @@ from raysim.results.runs import mean_std
 
 AXES = ("setting", "algorithm", "seed")
 WHERE = ("output_dir", "run_name", "resume")  # config keys that say where a run was written, not what it is
+PATHS = ("data_dir", "data_store_dir")  # made absolute when the run started: written back as the sweep file gives them
 
 
 def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
@@ -35,7 +36,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
     "seeds", "points": [{setting, algorithm, seed, dir, summary or None}], "skipped": [...]}."""
     from raysim.sweep import _label, parse, point_name, read_skip, skipped
 
-    name, _, _, grid = parse([], sweep_file)
+    name, _, fixed, grid = parse([], sweep_file)
     if set(grid) != set(AXES):
         raise ConfigError(f"sweep file {sweep_file}: the results table needs grid axes {', '.join(AXES)} "
                           f"(got {', '.join(grid)})")
@@ -52,7 +53,8 @@ def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
         d = sweep_dir / point_name(values)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
         points.append({**point, "dir": d, "summary": summary})
-    return {"name": name, "sweep_dir": sweep_dir, "settings": [label(v) for v in grid["setting"]],
+    given = {k: json.loads(v) if v[:1] in '"[{' else v for k, v in (o.split("=", 1) for o in fixed) if k in PATHS}
+    return {"name": name, "sweep_dir": sweep_dir, "given": given, "settings": [label(v) for v in grid["setting"]],
             "algorithms": [label(v) for v in grid["algorithm"]], "seeds": [label(v) for v in grid["seed"]],
             "points": points, "skipped": not_run}
 
@@ -117,7 +119,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             link = algorithm
             if ran:
                 link = f"[{algorithm}](results/{setting}/{algorithm}.yaml)"
-                _write_config(ran[0]["dir"], side / setting / f"{algorithm}.yaml")
+                _write_config(ran[0]["dir"], side / setting / f"{algorithm}.yaml", plan["given"])
             unshared = any(p["summary"].get("server_model_unshared") for p in ran)
             glob = _cell([p["summary"].get("final_accuracy") for p in ran], seeds, True)
             own = _cell([p["summary"].get("final_personal_accuracy") for p in ran], seeds, True)
@@ -153,13 +155,15 @@ def _leading_comments(sweep_file: Path) -> list[str]:
     return out
 
 
-def _write_config(run_dir: Path, to: Path) -> None:
-    """The run's config.yaml without where it was written and its seed (the command gives it)."""
+def _write_config(run_dir: Path, to: Path, given: dict) -> None:
+    """The run's config.yaml without where it was written and its seed (the command gives
+    it), its data paths as the sweep file gives them (relative to where the command runs)."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
     for key in (*WHERE, "seed"):
         cfg.pop(key, None)
+    cfg.update({k: v for k, v in given.items() if k in cfg})
     if isinstance(cfg.get("log"), dict):
         cfg["log"].pop("group", None)
     to.parent.mkdir(parents=True, exist_ok=True)
