@@ -168,13 +168,14 @@ class HeteroFL(FedAvg):
                     continue
                 at = windows[k] if rolex else leading(state[k], v.shape)
                 if rows is not None and k.startswith("head."):  # only the client's classes' rows
-                    keep = torch.zeros(v.shape[0], dtype=torch.bool)
-                    keep[rows] = True
-                    mask = keep.reshape(-1, *([1] * (v.dim() - 1))).expand_as(v).double()
-                else:
-                    mask = torch.ones_like(v, dtype=torch.float64)
-                total[k][at] += v.double() * mask * w
-                count[k][at] += mask * w
+                    keep = torch.zeros(v.shape[0], dtype=torch.float64)
+                    keep[rows] = w
+                    weight = keep.reshape(-1, *([1] * (v.dim() - 1)))
+                    total[k][at] += v.double() * weight
+                    count[k][at] += weight.expand_as(v)
+                else:  # no mask tensor per entry: the weight alone
+                    total[k][at] += v.double() * w
+                    count[k][at] += w
             loss_sum += r.metrics["loss"] * r.num_samples
             n += r.num_samples
         if n == 0:  # every client dropped out: keep the model
