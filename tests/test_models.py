@@ -72,3 +72,19 @@ def test_mlp_and_cnn_take_a_norm_and_a_width_and_width_one_leaves_them_as_they_w
     assert [m.out_channels for m in half.modules() if isinstance(m, nn.Conv2d)] == [2, 4]  # ceil(6/4), 16/4
     with pytest.raises(ConfigError, match="model_options.width must be a number > 0"):
         load_config(overrides=["model=cnn", "model_options.width=0"])
+
+
+def test_a_vgg_at_a_width_scales_every_conv_and_fc_and_keeps_fed2s_grouping():
+    """VGG's `width` (the results table's Fed2 runs a quarter-width VGG-9 to fit a CPU sweep):
+    width 1 builds the published weights; a grouped layer still gets a multiple of the groups."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    a = build_model("vgg9", (1, 28, 28), 10)
+    torch.manual_seed(0)
+    b = build_model("vgg9", (1, 28, 28), 10, {"width": 1.0})
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    q = build_model("vgg9", (1, 28, 28), 10, {"width": 0.25, "groups": 10, "grouped_layers": 3, "norm": "group"})
+    assert [m.out_channels for m in q.modules() if isinstance(m, nn.Conv2d)] == [8, 16, 32, 32, 64, 64]
+    assert [m.out_features for m in q.modules() if isinstance(m, nn.Linear)][:1] == [130]  # 128 up to 10 groups
+    assert q(torch.randn(3, 1, 28, 28)).shape == (3, 10)

@@ -46,7 +46,8 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     text = doc.read_text()
     assert "## digits" in text and "## syn" in text and "3 of 3 runs done" in text
     fedavg = json.loads((runs / "t" / "seed=0,setting=digits,algorithm=fedavg" / "summary.json").read_text())
-    assert f"| [fedavg](results/digits/fedavg.yaml) | {100 * fedavg['final_accuracy']:.1f} ± 0.0 |" in text
+    assert (f"| [fedavg](results/digits/fedavg.yaml) | {100 * fedavg['final_accuracy']:.1f} ± 0.0 | "
+            f"{100 * fedavg['final_local_accuracy']:.1f} ± 0.0 |") in text  # per client: the global model there
     fedper_row = next(line for line in text.splitlines() if line.startswith("| [fedper](results/digits/"))
     assert "†" in fedper_row and fedper_row.split("|")[3].strip() != "-"  # its own models' accuracy
     assert "| fedper | not run |" in text and "fedper on syn" in text
@@ -60,6 +61,17 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     again = json.loads((tmp_path / "again" / "r" / "summary.json").read_text())
     want = next(h for h in hashes if h["setting"] == "digits" and h["algorithm"] == "fedavg")
     assert again["model_sha256"] == want["model_sha256"] == fedavg["model_sha256"]
+
+
+def test_a_clustered_methods_global_model_is_marked_and_its_clients_judged_by_their_group_models():
+    from raysim.results.published import _global_mark, _method, _per_client
+
+    assert _global_mark("ifca", [{"summary": {}}]) == " ‡" and _global_mark("fedgroup", [{"summary": {}}]) == " ‡"
+    assert _global_mark("fedavg", [{"summary": {}}]) == ""
+    assert _global_mark("fedper", [{"summary": {"server_model_unshared": "head"}}]) == " †"
+    assert _per_client({"final_local_accuracy": 0.5}) == 0.5
+    assert _per_client({"final_local_accuracy": 0.5, "final_personal_accuracy": 0.9}) == 0.9
+    assert _method("fedavg") == "fedavg" and _method(["#label=fjord", 'algorithm="heterofl"']) == "heterofl"
 
 
 def test_a_labelled_setting_is_picked_on_the_command_line_and_a_wrong_one_is_one_line(tmp_path):

@@ -87,39 +87,43 @@ def lenet5(input_shape: tuple, num_classes: int) -> EncoderHead:
 MODEL_OPTION_CHOICES = {"norm": layered.NORMS, "allocation": layered.ALLOCATIONS}  # string options' allowed values
 
 
-def _vgg(input_shape, num_classes, convs: list, norm, groups, grouped_layers, allocation) -> EncoderHead:
-    """3x3 convs per `convs` ("M" = 2x2 max pool), then fc512-fc512 and the classifier."""
-    plan = [v if v == "M" else ("conv", v) for v in convs]
-    return layered.build(input_shape, num_classes, plan, [512, 512], norm, groups, grouped_layers, allocation)
+def _vgg(input_shape, num_classes, convs: list, norm, groups, grouped_layers, allocation,
+         width: float = 1.0) -> EncoderHead:
+    """3x3 convs per `convs` ("M" = 2x2 max pool), then fc512-fc512 and the classifier;
+    `width`: every conv's channels and both fc sizes times it, rounded up (width 1: as
+    published; a narrower VGG fits a CPU sweep: configs/sweeps/results_table.yaml)."""
+    plan = [v if v == "M" else ("conv", _scaled(v, width)) for v in convs]
+    return layered.build(input_shape, num_classes, plan, [_scaled(512, width)] * 2, norm, groups, grouped_layers,
+                         allocation)
 
 
 @MODELS.register("vgg9")
 def vgg9(input_shape: tuple, num_classes: int, norm: str = "none", groups: int = 1, grouped_layers: int = 0,
-         allocation: str = "blocks") -> EncoderHead:
+         allocation: str = "blocks", width: float = 1.0) -> EncoderHead:
     """VGG-9 of FedMA / Fed2: six 3x3 convs (32, 64, pool, 128, 128, pool, 256, 256, pool),
     then fc512-fc512 and the classifier; no normalisation by default (FedMA's)."""
     return _vgg(input_shape, num_classes, [32, 64, "M", 128, 128, "M", 256, 256, "M"],
-                norm, groups, grouped_layers, allocation)
+                norm, groups, grouped_layers, allocation, width)
 
 
 @MODELS.register("vgg11")
 def vgg11(input_shape: tuple, num_classes: int, norm: str = "batch", groups: int = 1, grouped_layers: int = 0,
-          allocation: str = "blocks") -> EncoderHead:
+          allocation: str = "blocks", width: float = 1.0) -> EncoderHead:
     """VGG-11 (configuration A of Simonyan & Zisserman) for 32x32 inputs, as FedEntOpt uses:
     eight 3x3 convs 64-M-128-M-256-256-M-512-512-M-512-512-M with BatchNorm, then
     fc512-fc512 and the classifier."""
     return _vgg(input_shape, num_classes, [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
-                norm, groups, grouped_layers, allocation)
+                norm, groups, grouped_layers, allocation, width)
 
 
 @MODELS.register("vgg16")
 def vgg16(input_shape: tuple, num_classes: int, norm: str = "batch", groups: int = 1, grouped_layers: int = 0,
-          allocation: str = "blocks") -> EncoderHead:
+          allocation: str = "blocks", width: float = 1.0) -> EncoderHead:
     """VGG-16 (configuration D) for 32x32 inputs, as Fed2 uses on CIFAR-100: thirteen 3x3
     convs 64-64-M-128-128-M-256x3-M-512x3-M-512x3-M with BatchNorm, fc512-fc512, classifier."""
     return _vgg(input_shape, num_classes,
                 [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
-                norm, groups, grouped_layers, allocation)
+                norm, groups, grouped_layers, allocation, width)
 
 
 @MODELS.register("mobilenet")

@@ -3,8 +3,9 @@ docs/results.md from a sweep over `setting` (labelled variants), `algorithm` and
 (configs/sweeps/results_table.yaml), regenerable by anyone:
 
 - per setting, a row per algorithm: global accuracy (the server's model on the test set,
-  final round), the clients' own models' accuracy on their own test splits where the method
-  has them, MiB communicated (both ways, whole run), simulated seconds (`system.profile`),
+  final round) and per-client accuracy (each client's test split with the model that
+  serves it: its own model for a personalised method, its group's for a clustered one,
+  the global model otherwise; the one column every method is comparable on), MiB communicated (both ways, whole run), simulated seconds (`system.profile`),
   each "mean +- std over the seeds done"; a cell whose runs are not all there says so;
 - each algorithm's row links its config, written beside the document
   (`<OUT dir>/results/<setting>/<algorithm>.yaml`, the run's own config.yaml less where it
@@ -52,11 +53,18 @@ def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
             continue
         d = sweep_dir / point_name(values)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
-        points.append({**point, "dir": d, "summary": summary})
+        points.append({**point, "dir": d, "summary": summary, "method": _method(values["algorithm"])})
     given = {k: json.loads(v) if v[:1] in '"[{' else v for k, v in (o.split("=", 1) for o in fixed) if k in PATHS}
     return {"name": name, "sweep_dir": sweep_dir, "given": given, "settings": [label(v) for v in grid["setting"]],
             "algorithms": [label(v) for v in grid["algorithm"]], "seeds": [label(v) for v in grid["seed"]],
             "points": points, "skipped": not_run}
+
+
+def _method(value) -> str:
+    """The algorithm a grid value runs: the value, or a labelled variant's `algorithm=`."""
+    if isinstance(value, str):
+        return value
+    return next(json.loads(o.split("=", 1)[1]) for o in value if o.startswith("algorithm="))
 
 
 def _traffic_mib(run_dir: Path) -> float | None:
@@ -95,8 +103,11 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              f"the runs of `python -m raysim.sweep --file {sweep_file}` ({len(done)} of {len(plan['points'])} runs "
              "done; the sweep resumes where it stopped). Each cell: mean ± std over the seeds done (a cell short "
              "of seeds says how many it has). *global*: the server's model on the test set after the last round "
-             "(a method whose server model is no client's is marked †); *own*: each client's own model on its "
-             "own test split (personalised methods); *MiB*: both ways, whole run; *sim s*: simulated seconds "
+             "(† a method whose server model is no client's; ‡ a clustered method's mean of its group models, "
+             "which serves only a client not yet in a group); *per client*: each client's own test split with the "
+             "model that serves it (a personalised method: the client's own model; a clustered one: its group's; "
+             "the others: the global model), the sample-weighted accuracy, the one column every method is "
+             "comparable on; *MiB*: both ways, whole run; *sim s*: simulated seconds "
              "(`system.profile`). An algorithm links the config of its row: "
              "`python -m raysim.run --config <that file> seed=0` runs one cell's seed 0, and its summary.json's "
              "`model_sha256` can be checked against results/model-sha256.csv (the same bits on the same torch "
@@ -109,7 +120,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         index[(p["setting"], p["algorithm"])].append(p)
     hashes = []
     for setting in plan["settings"]:
-        lines += [f"## {setting}", "", "| algorithm | global | own | MiB | sim s | note |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"## {setting}", "", "| algorithm | global | per client | MiB | sim s | note |", "| --- | --- | --- | --- | --- | --- |"]
         for algorithm in plan["algorithms"]:
             cell = index.get((setting, algorithm))
             if cell is None:
@@ -120,12 +131,12 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             if ran:
                 link = f"[{algorithm}](results/{setting}/{algorithm}.yaml)"
                 _write_config(ran[0]["dir"], side / setting / f"{algorithm}.yaml", plan["given"])
-            unshared = any(p["summary"].get("server_model_unshared") for p in ran)
+            mark = _global_mark(cell[0]["method"], ran)
             glob = _cell([p["summary"].get("final_accuracy") for p in ran], seeds, True)
-            own = _cell([p["summary"].get("final_personal_accuracy") for p in ran], seeds, True)
+            own = _cell([_per_client(p["summary"]) for p in ran], seeds, True)
             mib = _cell([_traffic_mib(p["dir"]) for p in ran], seeds, False)
             sim = _cell([p["summary"].get("sim_seconds") for p in ran], seeds, False)
-            lines.append(f"| {link} | {glob}{' †' if unshared and glob != '-' else ''} | {own} | {mib} | {sim} | "
+            lines.append(f"| {link} | {glob}{mark if glob != '-' else ''} | {own} | {mib} | {sim} | "
                          f"{notes.get(f'{setting}/{algorithm}', '')} |")
             hashes += [{"setting": setting, "algorithm": algorithm, "seed": p["seed"],
                         "final_accuracy": p["summary"].get("final_accuracy"),
@@ -142,6 +153,26 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     w.writerows(sorted(hashes, key=lambda h: (h["setting"], h["algorithm"], str(h["seed"]))))
     (side / "model-sha256.csv").write_text(buf.getvalue())
     return {"runs": len(plan["points"]), "done": len(done)}
+
+
+def _per_client(summary: dict) -> float | None:
+    """The clients' accuracy on their own test splits: their own models' where the method has
+    them (runtime/personal_eval.py), else the serving model's (runtime/local_eval.py)."""
+    own = summary.get("final_personal_accuracy")
+    return own if own is not None else summary.get("final_local_accuracy")
+
+
+def _global_mark(method: str, ran: list) -> str:
+    """† the server's model is no client's (`Algorithm.unshared`); ‡ a clustered method
+    (several models serve the clients: `Algorithm.serving` overridden), whose "global" model
+    is the mean of its group models."""
+    from raysim.contract import Algorithm
+    from raysim.registry import ALGORITHMS
+
+    if any(p["summary"].get("server_model_unshared") for p in ran):
+        return " †"
+    cls = ALGORITHMS.get(method) if method in ALGORITHMS else None
+    return " ‡" if cls is not None and cls.serving is not Algorithm.serving else ""
 
 
 def _leading_comments(sweep_file: Path) -> list[str]:
