@@ -314,7 +314,9 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     from raysim.config import load_config
     from raysim.runtime.ray_session import start_ray
 
-    start_ray(load_config(files, fixed).ray, command=True)
+    # Ray's settings from a point's config: the fixed keys alone may set a section (heterofl.*)
+    # that only the grid's algorithm reads, and would be refused without it
+    start_ray(load_config(files, todo[0]["overrides"]).ray, command=True)
     from raysim.runtime import pool
 
     pool.release()  # an earlier run's kept processes (a notebook's) hold CPUs the points' actors need

@@ -63,6 +63,19 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert again["model_sha256"] == want["model_sha256"] == fedavg["model_sha256"]
 
 
+def test_one_cell_with_an_option_of_its_algorithms_own_section(tmp_path):
+    """`setting=digits algorithm=fedprox fedprox.mu=0.5`: the fixed keys set a section only the
+    picked algorithm reads; Ray's settings come from a point's config, not from the fixed keys
+    alone (which, read with the default algorithm, refused `fedprox.*`)."""
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    rc, out, err = sweep(["--file", str(f), "--output-dir", str(tmp_path / "runs"), "setting=digits",
+                          "algorithm=fedprox", "fedprox.mu=0.5", "rounds=1"])
+    assert rc == 0, err
+    saved = (tmp_path / "runs" / "t" / "seed=0,setting=digits,algorithm=fedprox" / "config.yaml").read_text()
+    assert "mu: 0.5" in saved
+
+
 def test_a_clustered_methods_global_model_is_marked_and_its_clients_judged_by_their_group_models():
     from raysim.results.published import _global_mark, _method, _per_client
 
