@@ -42,8 +42,16 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert rc == 0 and "3 points, 3 done, 0 to run" in out
 
     doc = tmp_path / "docs" / "results.md"
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "notes.yaml").write_text(
+        '"digits/fedper": "FedPer trails here because X."\n"*/fedavg": "FedAvg everywhere: Y."\n')
     assert table(["--sweep", str(f), "--doc", str(doc), "--runs-dir", str(runs)]) == 0
     text = doc.read_text()
+    # notes: numbered in the order the tables cite them, one number per text, listed under the tables
+    fedavg_rows = [line for line in text.splitlines() if line.startswith("| [fedavg]")]
+    assert len(fedavg_rows) == 2 and all(r.endswith("[note 1](#note-1) |") for r in fedavg_rows)
+    assert '<a id="note-2"></a>**Note 2.** FedPer trails here because X.' in text
+    assert "[note 2](#note-2)" in next(line for line in text.splitlines() if line.startswith("| [fedper]"))
     assert "## digits" in text and "## syn" in text and "3 of 3 runs done" in text
     fedavg = json.loads((runs / "t" / "seed=0,setting=digits,algorithm=fedavg" / "summary.json").read_text())
     assert (f"| [fedavg](results/digits/fedavg.yaml) | {100 * fedavg['final_accuracy']:.1f} ± 0.0 | "

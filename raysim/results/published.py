@@ -12,8 +12,9 @@ docs/results.md from a sweep over `setting` (labelled variants), `algorithm` and
   was written): `python -m raysim.run --config THAT seed=0` runs that cell's seed 0;
 - `<OUT dir>/results/model-sha256.csv`: every run's `model_sha256` (summary.json), so a
   re-run shows the same bits or not;
-- notes per cell from `<OUT dir>/results/notes.yaml` ({"setting/algorithm": text}; why a
-  method trails FedAvg there, as measured).
+- notes per cell from `<OUT dir>/results/notes.yaml` ({"setting/algorithm": text}, or
+  "*/algorithm" for every setting of one algorithm; why a method trails FedAvg there, as
+  measured): the cell says "note N", the text is under the tables, one number per text.
 
 Only finished runs are read; nothing runs here (the sweep does that, and resumes)."""
 from __future__ import annotations
@@ -95,6 +96,12 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     notes = {}
     if (side / "notes.yaml").is_file():
         notes = OmegaConf.to_container(OmegaConf.load(side / "notes.yaml")) or {}
+    numbered: dict[str, int] = {}  # note text -> its number, in the order the tables first cite it
+
+    def note(setting: str, algorithm: str) -> str:
+        keys = [f"{setting}/{algorithm}", f"*/{algorithm}"]
+        texts = [str(notes[k]).strip() for k in keys if k in notes]
+        return ", ".join(f"[note {numbered.setdefault(t, len(numbered) + 1)}](#note-{numbered[t]})" for t in texts)
     done = [p for p in plan["points"] if p["summary"] is not None]
     seeds = len(plan["seeds"])
     lines = [f"# Results: every algorithm raysim ships, {len(plan['settings'])} settings, seeds "
@@ -124,7 +131,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         for algorithm in plan["algorithms"]:
             cell = index.get((setting, algorithm))
             if cell is None:
-                lines.append(f"| {algorithm} | not run | | | | {notes.get(f'{setting}/{algorithm}', '')} |")
+                lines.append(f"| {algorithm} | not run | | | | {note(setting, algorithm)} |")
                 continue
             ran = [p for p in cell if p["summary"] is not None]
             link = algorithm
@@ -137,7 +144,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             mib = _cell([_traffic_mib(p["dir"]) for p in ran], seeds, False)
             sim = _cell([p["summary"].get("sim_seconds") for p in ran], seeds, False)
             lines.append(f"| {link} | {glob}{mark if glob != '-' else ''} | {own} | {mib} | {sim} | "
-                         f"{notes.get(f'{setting}/{algorithm}', '')} |")
+                         f"{note(setting, algorithm)} |")
             hashes += [{"setting": setting, "algorithm": algorithm, "seed": p["seed"],
                         "final_accuracy": p["summary"].get("final_accuracy"),
                         "model_sha256": p["summary"].get("model_sha256")} for p in ran]
@@ -145,6 +152,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     if plan["skipped"]:
         lines += ["Not run (the sweep file's `skip`: combinations that cannot run): " + ", ".join(
             sorted({f"{p['algorithm']} on {p['setting']}" for p in plan["skipped"]})) + ".", ""]
+    if numbered:
+        lines += ["## Notes", "", "Why a cell trails FedAvg's, as measured (each with the command that measured it).", ""]
+        lines += [f'<a id="note-{n}"></a>**Note {n}.** {text}\n' for text, n in numbered.items()]
     side.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     buf = io.StringIO()
