@@ -11,7 +11,7 @@ from raysim.results.table import main as table
 from raysim.run import main as run
 
 SWEEP = """name: t
-fixed: {rounds: 2, num_clients: 6, participation: 0.5, system: {profile: uniform}}
+fixed: {rounds: 2, num_clients: 6, participation: 0.5, system: {profile: uniform}, partition: {test_fraction: 0.2}}
 grid:
   seed: [0]
   setting:
