@@ -153,7 +153,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         lines += ["Not run (the sweep file's `skip`: combinations that cannot run): " + ", ".join(
             sorted({f"{p['algorithm']} on {p['setting']}" for p in plan["skipped"]})) + ".", ""]
     if numbered:
-        lines += ["## Notes", "", "Why a cell trails FedAvg's, as measured (each with the command that measured it).", ""]
+        lines += ["## Notes", "", "Why a cell trails FedAvg's in its setting, or what it must be compared with, as "
+                  "measured (\"sweep ... X=Y\": the cell's point with one key changed, `python -m raysim.sweep "
+                  f"--file {sweep_file} seed=0 setting=S algorithm=A X=Y --name N`).", ""]
         lines += [f'<a id="note-{n}"></a>**Note {n}.** {text}\n' for text, n in numbered.items()]
     side.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
