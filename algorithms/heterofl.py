@@ -2,7 +2,7 @@
 Federated Learning for Heterogeneous Clients"): clients with models of different widths. A
 client of model rate r trains the global model's sub-model whose every hidden layer keeps its
 first ceil(r * size) units (the input and the classes whole): the model zoo's `width` option
-builds it (`model_options.width`: mlp, cnn), and the sub-model's weights are the leading
+builds it (`model_options.width`: mlp, cnn, the VGGs), and the sub-model's weights are the leading
 slices of the global ones along every dimension (a Linear after Flatten reads the first
 channels' positions first: channel-major). The server averages each element over the clients
 whose sub-model holds it (`heterofl.weighting=clients`: each counts 1, the authors';
@@ -74,9 +74,19 @@ class HeteroFLOptions(Options):
             raise ConfigError(f"{section}.rates must be in (0, 1], got {list(self.rates)}")
         if any(p < 0 for p in self.proportions) or sum(self.proportions) <= 0:
             raise ConfigError(f"{section}.proportions must be >= 0 with a positive sum, got {list(self.proportions)}")
-        if not isinstance(model_option_defaults(cfg.model).get("width"), float):  # resnet8's is an integer multiple
+        def fractional(name: str) -> bool:  # resnet8's width is an integer multiple
+            return isinstance(model_option_defaults(name).get("width"), float)
+
+        if not fractional(cfg.model):
+            from raysim.registry import MODELS
+
             raise ConfigError(f"algorithm=heterofl: model={cfg.model!r} has no width option (a fraction of its hidden "
-                              "sizes); models with one: mlp, cnn")
+                              f"sizes); models with one: {', '.join(m for m in MODELS.names() if fractional(m))}")
+        norm = (cfg.get("model_options") or {}).get("norm", model_option_defaults(cfg.model).get("norm"))
+        if norm == "group":  # gcd(32, channels) groups: a narrower layer is grouped differently
+            raise ConfigError("algorithm=heterofl: model_options.norm=group normalises groups of channels whose "
+                              "number changes with the width, so a sub-model would not be a slice of the whole "
+                              "model; use norm=batch or none")
 
 
 def client_rate(cfg, cid: int) -> float:

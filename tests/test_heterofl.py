@@ -12,7 +12,7 @@ from raysim.run import main
 from raysim.testing import set_up
 
 
-@pytest.mark.parametrize("model,shape", [("cnn", (1, 28, 28)), ("mlp", (64,))])
+@pytest.mark.parametrize("model,shape", [("cnn", (1, 28, 28)), ("mlp", (64,)), ("vgg9", (1, 28, 28))])
 def test_a_sub_model_is_the_leading_block_of_every_layer(model, shape):
     """Zero every weight of the whole model outside the leading blocks of the rate-1/2 model:
     the units outside get no input, so the whole model computes exactly what the sub-model,
@@ -33,7 +33,8 @@ def test_a_sub_model_is_the_leading_block_of_every_layer(model, shape):
     assert sum(p.numel() for p in half.parameters()) < 0.4 * sum(p.numel() for p in full.parameters())
 
 
-@pytest.mark.parametrize("model,shape,norm", [("cnn", (1, 28, 28), "none"), ("mlp", (64,), "batch")])
+@pytest.mark.parametrize("model,shape,norm", [("cnn", (1, 28, 28), "none"), ("mlp", (64,), "batch"),
+                                              ("vgg9", (1, 28, 28), "batch")])
 def test_fedrolex_windows_pick_a_sub_model_of_the_whole_one(model, shape, norm):
     """FedRolex's round-7 windows: zero every weight outside them and the whole model computes
     what the rate-1/2 sub-model loaded from them computes (units (7 + i) mod K of each layer,
@@ -114,6 +115,8 @@ def test_a_model_without_width_and_bad_rates_are_one_line(capsys, tmp_path):
 
     with pytest.raises(ConfigError, match="algorithm=heterofl: model='resnet8' has no width option"):
         load_config(overrides=["algorithm=heterofl", "model=resnet8"])
+    with pytest.raises(ConfigError, match="model_options.norm=group normalises groups of channels"):
+        load_config(overrides=["algorithm=heterofl", "model=cnn", "model_options.norm=group"])
     with pytest.raises(ConfigError, match=r"heterofl.rates must be in \(0, 1\]"):
         load_config(overrides=["algorithm=heterofl", "heterofl.rates=[1.0,2.0]", "heterofl.proportions=[0.5,0.5]"])
     with pytest.raises(ConfigError, match="same length"):
