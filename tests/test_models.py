@@ -88,3 +88,20 @@ def test_a_vgg_at_a_width_scales_every_conv_and_fc_and_keeps_fed2s_grouping():
     assert [m.out_channels for m in q.modules() if isinstance(m, nn.Conv2d)] == [8, 16, 32, 32, 64, 64]
     assert [m.out_features for m in q.modules() if isinstance(m, nn.Linear)][:1] == [130]  # 128 up to 10 groups
     assert q(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_the_clocks_flop_count_takes_a_model_with_batchnorm_after_a_linear_layer():
+    """FedBN's MLP (BatchNorm1d) cannot train on a batch of one: the clock counts a sample's
+    FLOPs on the input twice and halves them, the same count a batch of one gives."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from raysim.world.clock import flops_per_sample
+
+    x = torch.randn(1, 1, 28, 28)
+    for name, options in (("cnn", {}), ("mlp", {}), ("cnn", {"norm": "batch"})):
+        model = build_model(name, (1, 28, 28), 10, options)
+        with FlopCounterMode(display=False) as counter:
+            model.train()(x).sum().backward()
+        assert flops_per_sample(build_model(name, (1, 28, 28), 10, options), x) == float(counter.get_total_flops())
+    bn = build_model("mlp", (1, 28, 28), 10, {"norm": "batch"})
+    assert flops_per_sample(bn, x) == flops_per_sample(build_model("mlp", (1, 28, 28), 10), x)

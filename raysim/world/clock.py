@@ -51,18 +51,20 @@ PROFILES = {
 
 
 def flops_per_sample(model, sample) -> float:
-    """Forward and backward FLOPs of `model` on one input (`sample`: a batch of one), counted."""
+    """Forward and backward FLOPs of `model` on one input (`sample`: a batch of one), counted
+    on the input twice and halved: BatchNorm after a linear layer cannot train on a batch of
+    one (the counted ops are linear in the batch, so the count is the same)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     model = model.train()
     with FlopCounterMode(display=False) as counter:
-        out = model(sample)
+        out = model(torch.cat([sample, sample]))
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         params = sum(p.numel() for p in model.parameters())
-    return float(max(counter.get_total_flops(), 2 * params))  # ops FlopCounterMode does not count: a floor
+    return float(max(counter.get_total_flops() / 2, 2 * params))  # ops FlopCounterMode does not count: a floor
 
 
 class Clock:
