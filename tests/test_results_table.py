@@ -95,6 +95,21 @@ def test_a_clustered_methods_global_model_is_marked_and_its_clients_judged_by_th
     assert _method("fedavg") == "fedavg" and _method(["#label=fjord", 'algorithm="heterofl"']) == "heterofl"
 
 
+def test_a_note_for_no_cell_is_one_line_naming_the_file(tmp_path):
+    import pytest
+
+    from raysim.errors import ConfigError
+    from raysim.results.published import write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "notes.yaml").write_text('"digits/fedavgg": "typo"\n')
+    with pytest.raises(ConfigError, match=r"notes.yaml: 'digits/fedavgg' names no cell"):
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert not (tmp_path / "results.md").exists()
+
+
 def test_a_labelled_setting_is_picked_on_the_command_line_and_a_wrong_one_is_one_line(tmp_path):
     from raysim.sweep import parse, plan, read_skip
 

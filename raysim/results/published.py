@@ -5,7 +5,8 @@ docs/results.md from a sweep over `setting` (labelled variants), `algorithm` and
 - per setting, a row per algorithm: global accuracy (the server's model on the test set,
   final round) and per-client accuracy (each client's test split with the model that
   serves it: its own model for a personalised method, its group's for a clustered one,
-  the global model otherwise; the one column every method is comparable on), MiB communicated (both ways, whole run), simulated seconds (`system.profile`),
+  the global model otherwise; the one column every method is comparable on), MiB
+  communicated (both ways, whole run), simulated seconds (`system.profile`),
   each "mean +- std over the seeds done"; a cell whose runs are not all there says so;
 - each algorithm's row links its config, written beside the document
   (`<OUT dir>/results/<setting>/<algorithm>.yaml`, the run's own config.yaml less where it
@@ -96,6 +97,12 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     notes = {}
     if (side / "notes.yaml").is_file():
         notes = OmegaConf.to_container(OmegaConf.load(side / "notes.yaml")) or {}
+    wrong = [k for k in notes if str(k).count("/") != 1 or str(k).split("/")[0] not in [*plan["settings"], "*"]
+             or str(k).split("/")[1] not in plan["algorithms"]]
+    if wrong:  # a misspelt key would drop its note silently
+        raise ConfigError(f"{side / 'notes.yaml'}: {wrong[0]!r} names no cell; keys are setting/algorithm or "
+                          f"*/algorithm, settings: {', '.join(plan['settings'])}; algorithms: "
+                          f"{', '.join(plan['algorithms'])}")
     numbered: dict[str, int] = {}  # note text -> its number, in the order the tables first cite it
 
     def note(setting: str, algorithm: str) -> str:
