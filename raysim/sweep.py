@@ -25,7 +25,9 @@ starts. The points run as Ray Tune trials, on the local Ray or the cluster of
 `ray.address`: several at once when `resources.num_actors` is set and the cluster's CPUs
 hold that many actors per point more than once, else one after another. Rerunning a sweep
 skips the points that finished; a point that was interrupted resumes from its checkpoint
-(or starts again if it wrote none).
+(or starts again if it wrote none). `--skip-listed CSV` leaves out the points a CSV lists by
+its grid-axis columns: a results table's runs.csv, the runs another machine made and
+recorded, so a sweep too long for one machine's session grows across sessions.
 """
 from __future__ import annotations
 
@@ -171,6 +173,23 @@ def read_skip(file: Path | None, grid: dict) -> list[dict]:
             if str(v) not in known:
                 raise ConfigError(f"sweep file {file}: skip's {k}={v} is none of grid.{k}'s values or labels")
     return skip
+
+
+def read_listed(path: Path, grid: dict) -> list[dict]:
+    """`--skip-listed FILE`: a CSV whose columns include grid axes (a results table's
+    runs.csv); each row names a point not to run here (done on another machine, its result
+    kept in the file): {axis: value or label} for the axes it has, as `skip`'s entries."""
+    import csv
+
+    if not path.is_file():
+        raise ConfigError(f"--skip-listed {path}: no such file")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        axes = [k for k in (reader.fieldnames or []) if k in grid]
+        if not axes:
+            raise ConfigError(f"--skip-listed {path}: no column names a grid axis ({', '.join(grid)}); its columns: "
+                              f"{', '.join(reader.fieldnames or []) or 'none'}")
+        return [{k: row[k] for k in axes} for row in reader]
 
 
 def skipped(values: dict, skip: list[dict]) -> bool:
@@ -358,6 +377,9 @@ def main(argv=None) -> int:
     p.add_argument("--file", type=Path, help="a sweep file (YAML: name, config, fixed, grid)")
     p.add_argument("--config", action="append", default=[], metavar="FILE", help="config file(s) for every point")
     p.add_argument("--name", help="the sweep's folder name (default: from the grid keys)")
+    p.add_argument("--skip-listed", type=Path, metavar="CSV",
+                   help="leave out the points a CSV lists by its grid-axis columns (a results table's runs.csv: "
+                        "the runs another machine made)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="the folder the sweep's folder goes in (default runs/sweeps; output_dir=DIR says the same)")
     args = p.parse_args(argv)
@@ -374,8 +396,12 @@ def main(argv=None) -> int:
         name = args.name or name or "-".join(k.split(".")[-1] for k in grid)
         if "/" in name or name in ("", ".", ".."):
             raise ConfigError(f"--name {name!r} must be a plain folder name")
-        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir,
-                          skip=read_skip(args.file, grid))
+        skip = read_skip(args.file, grid)
+        if args.skip_listed is not None:
+            listed = read_listed(args.skip_listed, grid)
+            print(f"{args.skip_listed}: {len(listed)} point(s) listed, left out")
+            skip += listed
+        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

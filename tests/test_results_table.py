@@ -59,8 +59,27 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     fedper_row = next(line for line in text.splitlines() if line.startswith("| [fedper](results/digits/"))
     assert "†" in fedper_row and fedper_row.split("|")[3].strip() != "-"  # its own models' accuracy
     assert "| fedper | not run |" in text and "fedper on syn" in text
-    hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "model-sha256.csv").open()))
+    hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "runs.csv").open()))
     assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
+    assert all(h["client_processors"] and "torch" in h["client_processors"] for h in hashes)
+    assert "Runs made on: " + hashes[0]["client_processors"] + " (3)." in text
+
+    # another machine: the run folders gone, the table is the same from runs.csv, and the
+    # sweep leaves the listed points alone, running only one whose row is missing
+    runs.rename(tmp_path / "gone")
+    assert table(["--sweep", str(f), "--doc", str(doc), "--runs-dir", str(runs)]) == 0
+    assert doc.read_text() == text
+    listed = tmp_path / "docs" / "results" / "runs.csv"
+    lines = listed.read_text().splitlines()
+    listed.write_text("\n".join(line for line in lines if ",fedper," not in line) + "\n")
+    rc, out, err = sweep(["--file", str(f), "--output-dir", str(runs), "--skip-listed", str(listed)])
+    assert rc == 0, err
+    assert "2 point(s) listed, left out" in out and "1 points, 0 done, 1 to run" in out
+    assert [p.name for p in (runs / "t").iterdir() if not p.name.startswith(".")] == [
+        "seed=0,setting=digits,algorithm=fedper"]
+    assert table(["--sweep", str(f), "--doc", str(doc), "--runs-dir", str(runs)]) == 0
+    assert doc.read_text() == text  # the rerun fedper: the same bits, so the same table
+    assert len(list(csv.DictReader(listed.open()))) == 3
 
     # one cell again from its linked config: the same bits
     cell = tmp_path / "docs" / "results" / "digits" / "fedavg.yaml"
@@ -69,6 +88,17 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     again = json.loads((tmp_path / "again" / "r" / "summary.json").read_text())
     want = next(h for h in hashes if h["setting"] == "digits" and h["algorithm"] == "fedavg")
     assert again["model_sha256"] == want["model_sha256"] == fedavg["model_sha256"]
+
+
+def test_skip_listed_that_names_no_grid_axis_or_no_file_is_one_line(tmp_path):
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    rc, _, err = sweep(["--file", str(f), "--skip-listed", str(tmp_path / "none.csv")])
+    assert rc == 2 and err.strip() == f"error: --skip-listed {tmp_path / 'none.csv'}: no such file"
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    rc, _, err = sweep(["--file", str(f), "--skip-listed", str(tmp_path / "x.csv")])
+    assert rc == 2 and "no column names a grid axis (seed, setting, algorithm); its columns: a, b" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_one_cell_with_an_option_of_its_algorithms_own_section(tmp_path):
@@ -87,9 +117,9 @@ def test_one_cell_with_an_option_of_its_algorithms_own_section(tmp_path):
 def test_a_clustered_methods_global_model_is_marked_and_its_clients_judged_by_their_group_models():
     from raysim.results.published import _global_mark, _method, _per_client
 
-    assert _global_mark("ifca", [{"summary": {}}]) == " ‡" and _global_mark("fedgroup", [{"summary": {}}]) == " ‡"
-    assert _global_mark("fedavg", [{"summary": {}}]) == ""
-    assert _global_mark("fedper", [{"summary": {"server_model_unshared": "head"}}]) == " †"
+    assert _global_mark("ifca", [{"record": {}}]) == " ‡" and _global_mark("fedgroup", [{"record": {}}]) == " ‡"
+    assert _global_mark("fedavg", [{"record": {}}]) == ""
+    assert _global_mark("fedper", [{"record": {"server_model_unshared": "head"}}]) == " †"
     assert _per_client({"final_local_accuracy": 0.5}) == 0.5
     assert _per_client({"final_local_accuracy": 0.5, "final_personal_accuracy": 0.9}) == 0.9
     assert _method("fedavg") == "fedavg" and _method(["#label=fjord", 'algorithm="heterofl"']) == "heterofl"

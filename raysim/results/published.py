@@ -11,8 +11,12 @@ docs/results.md from a sweep over `setting` (labelled variants), `algorithm` and
 - each algorithm's row links its config, written beside the document
   (`<OUT dir>/results/<setting>/<algorithm>.yaml`, the run's own config.yaml less where it
   was written): `python -m raysim.run --config THAT seed=0` runs that cell's seed 0;
-- `<OUT dir>/results/model-sha256.csv`: every run's `model_sha256` (summary.json), so a
-  re-run shows the same bits or not;
+- `<OUT dir>/results/runs.csv`: every finished run's numbers (what the table shows), its
+  `model_sha256` and the processors and torch build that made it (summary.json), so a re-run
+  shows the same bits or not; the table is made from it where a run's folder is not here
+  (the runs of another machine, or of a session whose folders are gone), and the sweep
+  leaves its runs alone (`python -m raysim.sweep --file F --skip-listed runs.csv`): the
+  table grows across machines without running anything twice;
 - notes per cell from `<OUT dir>/results/notes.yaml` ({"setting/algorithm": text}, or
   "*/algorithm" for every setting of one algorithm; why a method trails FedAvg there, as
   measured): the cell says "note N", the text is under the tables, one number per text.
@@ -34,9 +38,11 @@ WHERE = ("output_dir", "run_name", "resume")  # config keys that say where a run
 PATHS = ("data_dir", "data_store_dir")  # made absolute when the run started: written back as the sweep file gives them
 
 
-def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
+def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | None = None) -> dict:
     """The sweep's plan and its finished runs: {"name", "sweep_dir", "settings", "algorithms",
-    "seeds", "points": [{setting, algorithm, seed, dir, summary or None}], "skipped": [...]}."""
+    "seeds", "points": [{setting, algorithm, seed, dir, record or None}], "skipped": [...]}: a
+    point's record from its folder's summary.json where it has one, else its row of
+    `recorded` (an earlier runs.csv), else None (not run yet)."""
     from raysim.sweep import _label, parse, point_name, read_skip, skipped
 
     name, _, fixed, grid = parse([], sweep_file)
@@ -46,6 +52,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
     skip = read_skip(sweep_file, grid)
     sweep_dir = (runs_dir or Path("runs/sweeps")) / name
     label = lambda v: _label(v) or v  # noqa: E731
+    rows = read_records(recorded) if recorded is not None else {}
     points, not_run = [], []
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
@@ -54,8 +61,11 @@ def collect(sweep_file: Path, runs_dir: Path | None = None) -> dict:
             not_run.append(point)
             continue
         d = sweep_dir / point_name(values)
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
-        points.append({**point, "dir": d, "summary": summary, "method": _method(values["algorithm"])})
+        if (d / "summary.json").is_file():
+            record = _record(point, json.loads((d / "summary.json").read_text()), d)
+        else:
+            d, record = None, rows.get(tuple(str(point[k]) for k in AXES))
+        points.append({**point, "dir": d, "record": record, "method": _method(values["algorithm"])})
     given = {k: json.loads(v) if v[:1] in '"[{' else v for k, v in (o.split("=", 1) for o in fixed) if k in PATHS}
     return {"name": name, "sweep_dir": sweep_dir, "given": given, "settings": [label(v) for v in grid["setting"]],
             "algorithms": [label(v) for v in grid["algorithm"]], "seeds": [label(v) for v in grid["seed"]],
@@ -67,6 +77,38 @@ def _method(value) -> str:
     if isinstance(value, str):
         return value
     return next(json.loads(o.split("=", 1)[1]) for o in value if o.startswith("algorithm="))
+
+
+# runs.csv: a row per finished run, what the table shows of it and what its bits depend on
+RECORD = ("setting", "algorithm", "seed", "final_accuracy", "final_local_accuracy", "final_personal_accuracy",
+          "server_model_unshared", "mib", "sim_seconds", "wall_seconds", "status", "model_sha256",
+          "client_processors")
+NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", "mib", "sim_seconds", "wall_seconds")
+
+
+def _record(point: dict, summary: dict, run_dir: Path) -> dict:
+    """A finished run's row of runs.csv, from its folder."""
+    row = {k: summary.get(k) for k in RECORD if k not in AXES}
+    row["mib"] = _traffic_mib(run_dir)
+    row["client_processors"] = "; ".join(summary.get("client_processors") or []) or None
+    return {**{k: point[k] for k in AXES}, **row}
+
+
+def read_records(path: Path) -> dict:
+    """runs.csv as {(setting, algorithm, seed): row}, numbers as floats (an empty field: None)."""
+    if not path.is_file():
+        return {}
+    rows = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if any(k not in row for k in ("setting", "algorithm", "seed", "model_sha256")):
+                raise ConfigError(f"{path}: not a results table's runs.csv (columns: {', '.join(RECORD)})")
+            row = {k: (v if v != "" else None) for k, v in row.items()}
+            for k in NUMBERS:
+                row[k] = float(row[k]) if row.get(k) is not None else None
+            row["server_model_unshared"] = row.get("server_model_unshared") or None
+            rows[(row["setting"], row["algorithm"], row["seed"])] = row
+    return rows
 
 
 def _traffic_mib(run_dir: Path) -> float | None:
@@ -92,8 +134,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     """Write `out` (markdown), its configs, hashes and read its notes; return counts."""
     from omegaconf import OmegaConf
 
-    plan = collect(sweep_file, runs_dir)
     side = out.parent / "results"
+    plan = collect(sweep_file, runs_dir, side / "runs.csv")
     notes = {}
     if (side / "notes.yaml").is_file():
         notes = OmegaConf.to_container(OmegaConf.load(side / "notes.yaml")) or {}
@@ -109,7 +151,11 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         keys = [f"{setting}/{algorithm}", f"*/{algorithm}"]
         texts = [str(notes[k]).strip() for k in keys if k in notes]
         return ", ".join(f"[note {numbered.setdefault(t, len(numbered) + 1)}](#note-{numbered[t]})" for t in texts)
-    done = [p for p in plan["points"] if p["summary"] is not None]
+    done = [p for p in plan["points"] if p["record"] is not None]
+    made_on: dict[str, int] = {}
+    for p in done:
+        where = p["record"].get("client_processors") or "not recorded"
+        made_on[where] = made_on.get(where, 0) + 1
     seeds = len(plan["seeds"])
     lines = [f"# Results: every algorithm raysim ships, {len(plan['settings'])} settings, seeds "
              f"{', '.join(map(str, plan['seeds']))}", "",
@@ -124,15 +170,16 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "comparable on; *MiB*: both ways, whole run; *sim s*: simulated seconds "
              "(`system.profile`). An algorithm links the config of its row: "
              "`python -m raysim.run --config <that file> seed=0` runs one cell's seed 0, and its summary.json's "
-             "`model_sha256` can be checked against results/model-sha256.csv (the same bits on the same torch "
-             "build and CPU kind).", ""]
+             "`model_sha256` can be checked against its row of [results/runs.csv](results/runs.csv) (the same "
+             "bits on the same torch build and processor). Runs made on: " + "; ".join(
+                 f"{where} ({n})" for where, n in sorted(made_on.items(), key=lambda kv: -kv[1])) + ".", ""]
     head = [line[1:].strip() for line in _leading_comments(sweep_file)]
     if head:  # the sweep file's own account of its settings and what was cut to fit
         lines += ["From the sweep file:", "", *[f"> {line}" if line else ">" for line in head], ""]
     index = {(p["setting"], p["algorithm"]): [] for p in plan["points"]}
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
-    hashes = []
+    records = []
     for setting in plan["settings"]:
         lines += [f"## {setting}", "", "| algorithm | global | per client | MiB | sim s | note |", "| --- | --- | --- | --- | --- | --- |"]
         for algorithm in plan["algorithms"]:
@@ -140,21 +187,20 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             if cell is None:
                 lines.append(f"| {algorithm} | not run | | | | {note(setting, algorithm)} |")
                 continue
-            ran = [p for p in cell if p["summary"] is not None]
-            link = algorithm
-            if ran:
-                link = f"[{algorithm}](results/{setting}/{algorithm}.yaml)"
-                _write_config(ran[0]["dir"], side / setting / f"{algorithm}.yaml", plan["given"])
+            ran = [p for p in cell if p["record"] is not None]
+            config = side / setting / f"{algorithm}.yaml"
+            here = [p for p in ran if p["dir"] is not None]
+            if here:  # from a run here; else the one written when the recorded runs were here
+                _write_config(here[0]["dir"], config, plan["given"])
+            link = f"[{algorithm}](results/{setting}/{algorithm}.yaml)" if ran and config.is_file() else algorithm
             mark = _global_mark(cell[0]["method"], ran)
-            glob = _cell([p["summary"].get("final_accuracy") for p in ran], seeds, True)
-            own = _cell([_per_client(p["summary"]) for p in ran], seeds, True)
-            mib = _cell([_traffic_mib(p["dir"]) for p in ran], seeds, False)
-            sim = _cell([p["summary"].get("sim_seconds") for p in ran], seeds, False)
+            glob = _cell([p["record"]["final_accuracy"] for p in ran], seeds, True)
+            own = _cell([_per_client(p["record"]) for p in ran], seeds, True)
+            mib = _cell([p["record"]["mib"] for p in ran], seeds, False)
+            sim = _cell([p["record"]["sim_seconds"] for p in ran], seeds, False)
             lines.append(f"| {link} | {glob}{mark if glob != '-' else ''} | {own} | {mib} | {sim} | "
                          f"{note(setting, algorithm)} |")
-            hashes += [{"setting": setting, "algorithm": algorithm, "seed": p["seed"],
-                        "final_accuracy": p["summary"].get("final_accuracy"),
-                        "model_sha256": p["summary"].get("model_sha256")} for p in ran]
+            records += [p["record"] for p in ran]
         lines.append("")
     if plan["skipped"]:
         lines += ["Not run (the sweep file's `skip`: combinations that cannot run): " + ", ".join(
@@ -167,18 +213,18 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     side.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     buf = io.StringIO()
-    w = csv.DictWriter(buf, ["setting", "algorithm", "seed", "final_accuracy", "model_sha256"], lineterminator="\n")
+    w = csv.DictWriter(buf, RECORD, lineterminator="\n")
     w.writeheader()
-    w.writerows(sorted(hashes, key=lambda h: (h["setting"], h["algorithm"], str(h["seed"]))))
-    (side / "model-sha256.csv").write_text(buf.getvalue())
+    w.writerows(sorted(records, key=lambda r: (r["setting"], r["algorithm"], str(r["seed"]))))
+    (side / "runs.csv").write_text(buf.getvalue())
     return {"runs": len(plan["points"]), "done": len(done)}
 
 
-def _per_client(summary: dict) -> float | None:
+def _per_client(record: dict) -> float | None:
     """The clients' accuracy on their own test splits: their own models' where the method has
     them (runtime/personal_eval.py), else the serving model's (runtime/local_eval.py)."""
-    own = summary.get("final_personal_accuracy")
-    return own if own is not None else summary.get("final_local_accuracy")
+    own = record.get("final_personal_accuracy")
+    return own if own is not None else record.get("final_local_accuracy")
 
 
 def _global_mark(method: str, ran: list) -> str:
@@ -188,7 +234,7 @@ def _global_mark(method: str, ran: list) -> str:
     from raysim.contract import Algorithm
     from raysim.registry import ALGORITHMS
 
-    if any(p["summary"].get("server_model_unshared") for p in ran):
+    if any(p["record"].get("server_model_unshared") for p in ran):
         return " †"
     cls = ALGORITHMS.get(method) if method in ALGORITHMS else None
     return " ‡" if cls is not None and cls.serving is not Algorithm.serving else ""

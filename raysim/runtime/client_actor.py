@@ -215,7 +215,8 @@ class ClientRunner:
     def device_info(self) -> dict:
         where = ({"node_id": "this process", "node_ip": "127.0.0.1"} if self.here else
                  {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()})
-        info = {"device": str(self.device), "pid": os.getpid(), **where, **determinism.settings()}
+        info = {"device": str(self.device), "pid": os.getpid(), **where, **determinism.settings(),
+                "processor": determinism.processor(self.device), "torch": torch.__version__}
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info

@@ -53,6 +53,24 @@ def _deterministic_algorithms(torch, on: bool) -> None:
     switch(on, warn_only=True)
 
 
+def processor(device) -> str:
+    """What computes a process's bits besides torch's build: the GPU's name on CUDA, else the
+    CPU's model (/proc/cpuinfo's `model name`): one config on an AMD EPYC and an Intel Xeon
+    gives other bits (their float kernels add in other orders), so a hash says where it came from."""
+    import platform
+
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return (names[0] if names else platform.processor()) or platform.machine()
+
+
 def settings() -> dict:
     """The settings in force in this process, as tests and `device_info` report them."""
     import torch

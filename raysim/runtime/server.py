@@ -488,14 +488,17 @@ class FederatedServer:
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         nodes: dict[str, int] = {}
         devices: set[str] = set()
+        processors: set[str] = set()
         for info in self.dispatch.actor_info():
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
             devices.add(info["device"])
+            processors.add(f'{info["processor"]}, torch {info["torch"]}')
         summary["client_actor_nodes"] = nodes
         # what the bits depend on: deterministic kernels, and where clients trained (a CUDA
         # run and a CPU run of one config differ by float rounding: docs/guide.md)
         summary["determinism"] = bool(self.cfg.determinism)
         summary["client_devices"] = sorted(devices)
+        summary["client_processors"] = sorted(processors)  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
         if self.accountant is not None:
             a = self.accountant
             spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity
