@@ -17,6 +17,8 @@ A grid value that is a mapping is a set of overrides taken together, for axes wh
 are not one key (`variant: [{algorithm: fed2}, {algorithm: fedavg, model_options.norm: group}]`).
 Its `label`, if it has one, names it: the point's folder says `setting=mnist_c2`, and
 `setting=mnist_c2` on the command line runs that variant alone (configs/sweeps/results_table.yaml).
+A one-value key on the command line wins over a variant's own value for it (`setting=mnist_c2
+model=vgg9` runs the VGG; a sweep file's `fixed` yields to the variant).
 
 Every point is a normal run directory inside the sweep directory (named by its grid
 values), written by the same code as `python -m raysim.run`; `python -m raysim.results.table` and
@@ -93,6 +95,7 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
             # a value that is a mapping is a set of overrides taken together (an axis of variants)
             grid[k] = [_variant(v, f"sweep file {file}: grid.{k}") if isinstance(v, dict) else
                        v if isinstance(v, str) else json.dumps(v) for v in values]
+    given = []  # the command line's one-value keys: they win over a grid value's own keys
     for o in args_overrides:
         if "=" not in o:
             raise ConfigError(f"{o!r} is not key=value (a grid axis is key=v1,v2,...)")
@@ -109,9 +112,19 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
             grid[key] = values
         else:
             fixed.append(o)
+            given.append(key)
+    for key, values in grid.items():  # `setting=mnist_c2 model=vgg9`: the variant's model= yields
+        grid[key] = [[v for v in value if not _sets(v, given)] if isinstance(value, list) else value
+                     for value in values]
     if not grid:
         raise ConfigError("no grid: give at least one key with several values (seed=0,1,2) or a sweep file's grid")
     return name, files, fixed, grid
+
+
+def _sets(override: str, keys: list[str]) -> bool:
+    """Whether `override` (key=value) sets one of `keys` or a key inside one of them."""
+    k = override.split("=", 1)[0]
+    return not override.startswith(LABEL) and any(k == g or k.startswith(g + ".") for g in keys)
 
 
 def _dotted(node: dict, prefix: str = "") -> list[str]:

@@ -151,6 +151,22 @@ def test_a_labelled_setting_is_picked_on_the_command_line_and_a_wrong_one_is_one
     assert 'dataset="synthetic"' in points[0]["overrides"]
 
 
+def test_a_key_on_the_command_line_wins_over_the_picked_variants_own(tmp_path):
+    """`setting=syn model=mlp num_clients=8`: the variant sets model and num_clients itself; the
+    command line's values are what the point runs (they were silently dropped before)."""
+    from raysim.config import read_layers, resolve
+    from raysim.sweep import parse, plan, read_skip
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    _, files, fixed, grid = parse(["setting=syn", "algorithm=fedavg", "model=mlp", "num_clients=8",
+                                   "model_options.hidden=[8]"], f)
+    (point,) = plan(files, fixed, grid, tmp_path / "t", read_skip(f, grid))
+    cfg = resolve(read_layers(files, point["overrides"]))
+    assert (cfg.dataset, cfg.model, cfg.num_clients, list(cfg.model_options.hidden)) == ("synthetic", "mlp", 8, [8])
+    assert cfg.participation == 0.5  # the sweep file's fixed value: the command line did not set it
+
+
 def test_the_wrong_label_and_skip_are_one_line_each(tmp_path, capfd):
     from raysim.sweep import main as sweep_here
 

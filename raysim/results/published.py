@@ -208,7 +208,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     if numbered:
         lines += ["## Notes", "", "Why a cell trails FedAvg's in its setting, or what it must be compared with, as "
                   "measured (\"sweep ... X=Y\": the cell's point with one key changed, `python -m raysim.sweep "
-                  f"--file {sweep_file} seed=0 setting=S algorithm=A X=Y --name N`).", ""]
+                  f"--file {sweep_file} seed=0 setting=S algorithm=A X=Y --name N`). A note's figures are its own runs', "
+                  "made when it was written (the date and processor it starts with); the cells above may come from "
+                  "other runs of the same configs (results/runs.csv), which differ by a run's spread.", ""]
         lines += [f'<a id="note-{n}"></a>**Note {n}.** {text}\n' for text, n in numbered.items()]
     side.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
