@@ -62,7 +62,7 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "runs.csv").open()))
     assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
     assert all(h["client_processors"] and "torch" in h["client_processors"] for h in hashes)
-    assert "Runs made on: " + hashes[0]["client_processors"] + " (3)." in text
+    assert "Runs made on: " + hashes[0]["client_processors"] + " (3 runs, " in text
 
     # another machine: the run folders gone, the table is the same from runs.csv, and the
     # sweep leaves the listed points alone, running only one whose row is missing

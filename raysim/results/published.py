@@ -152,10 +152,11 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         texts = [str(notes[k]).strip() for k in keys if k in notes]
         return ", ".join(f"[note {numbered.setdefault(t, len(numbered) + 1)}](#note-{numbered[t]})" for t in texts)
     done = [p for p in plan["points"] if p["record"] is not None]
-    made_on: dict[str, int] = {}
+    made_on: dict[str, list] = {}  # processors -> [runs, run seconds]
     for p in done:
-        where = p["record"].get("client_processors") or "not recorded"
-        made_on[where] = made_on.get(where, 0) + 1
+        where = made_on.setdefault(p["record"].get("client_processors") or "not recorded", [0, 0.0])
+        where[0] += 1
+        where[1] += p["record"].get("wall_seconds") or 0.0
     seeds = len(plan["seeds"])
     lines = [f"# Results: every algorithm raysim ships, {len(plan['settings'])} settings, seeds "
              f"{', '.join(map(str, plan['seeds']))}", "",
@@ -172,7 +173,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "`python -m raysim.run --config <that file> seed=0` runs one cell's seed 0, and its summary.json's "
              "`model_sha256` can be checked against its row of [results/runs.csv](results/runs.csv) (the same "
              "bits on the same torch build and processor). Runs made on: " + "; ".join(
-                 f"{where} ({n})" for where, n in sorted(made_on.items(), key=lambda kv: -kv[1])) + ".", ""]
+                 f"{where} ({n} runs, {secs / 3600:.1f} h of run time)"
+                 for where, (n, secs) in sorted(made_on.items(), key=lambda kv: -kv[1][0])) + ".", ""]
     head = [line[1:].strip() for line in _leading_comments(sweep_file)]
     if head:  # the sweep file's own account of its settings and what was cut to fit
         lines += ["From the sweep file:", "", *[f"> {line}" if line else ">" for line in head], ""]
