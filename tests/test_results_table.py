@@ -62,6 +62,8 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "runs.csv").open()))
     assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
     assert all(h["client_processors"] and "torch" in h["client_processors"] for h in hashes)
+    # each run's curve, every evaluation: its last point is the run's final accuracy
+    assert all(h["accuracy_curve"].split()[-1] == f"2:{float(h['final_accuracy']):.4f}" for h in hashes)
     assert "Runs made on: " + hashes[0]["client_processors"] + " (3 runs, " in text
 
     # another machine: the run folders gone, the table is the same from runs.csv, and the

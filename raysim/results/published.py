@@ -80,9 +80,11 @@ def _method(value) -> str:
 
 
 # runs.csv: a row per finished run, what the table shows of it and what its bits depend on
+# (the curves, "round:accuracy ..." at every evaluation, global and per client: a steadier column than
+# the final round's, a mean of the last few, can be made from them without rerunning anything)
 RECORD = ("setting", "algorithm", "seed", "final_accuracy", "final_local_accuracy", "final_personal_accuracy",
           "server_model_unshared", "mib", "sim_seconds", "wall_seconds", "status", "model_sha256",
-          "client_processors")
+          "client_processors", "accuracy_curve", "per_client_curve")
 NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", "mib", "sim_seconds", "wall_seconds")
 
 
@@ -91,7 +93,27 @@ def _record(point: dict, summary: dict, run_dir: Path) -> dict:
     row = {k: summary.get(k) for k in RECORD if k not in AXES}
     row["mib"] = _traffic_mib(run_dir)
     row["client_processors"] = "; ".join(summary.get("client_processors") or []) or None
+    row["accuracy_curve"], row["per_client_curve"] = _curves(run_dir)
     return {**{k: point[k] for k in AXES}, **row}
+
+
+def _curves(run_dir: Path) -> tuple[str | None, str | None]:
+    """metrics.parquet's accuracy at every evaluation, "round:value ...": the global model's
+    and the per-client column's (personal_accuracy, else local_accuracy)."""
+    import pyarrow.parquet as pq
+
+    f = run_dir / "metrics.parquet"
+    if not f.is_file():
+        return None, None
+    names = set(pq.read_schema(f).names)
+    rows = pq.read_table(f, columns=[c for c in ("round", "accuracy", "personal_accuracy", "local_accuracy")
+                                     if c in names]).to_pylist()
+
+    def curve(key: str) -> str | None:
+        points = [f"{r['round']}:{r[key]:.4f}" for r in rows if r.get(key) is not None]
+        return " ".join(points) or None
+    own = curve("personal_accuracy")
+    return curve("accuracy"), own if own is not None else curve("local_accuracy")
 
 
 def read_records(path: Path) -> dict:
