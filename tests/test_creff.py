@@ -200,7 +200,8 @@ def test_ccvr_calibrates_once_after_the_last_round_and_only_the_classifier(ray_l
     """The paper's CCVR: rounds are FedAvg's to the bit; after the last, every client's
     statistics once, a calibrated head on the FedAvg encoder as the run's final result; a
     run stopped and resumed calibrates the same."""
-    common = ["long_tail.imbalance=10", "local.epochs=1", "checkpoint_every=2", f"output_dir={tmp_path}", "--quiet"]
+    common = ["long_tail.imbalance=10", "local.epochs=1", "checkpoint_every=2", "partition.test_fraction=0.2",
+              f"output_dir={tmp_path}", "--quiet"]
     ccvr = ["algorithm=ccvr", "ccvr.retrain_steps=50"]
     assert main([*ccvr, *common, "rounds=2", "run_name=part"]) == 0
     assert main([f"resume={tmp_path / 'part'}", "rounds=3", "--quiet"]) == 0
@@ -219,6 +220,11 @@ def test_ccvr_calibrates_once_after_the_last_round_and_only_the_classifier(ray_l
     assert summary["final_accuracy"] == summary["after_training"]["calibrated"]["accuracy"]
     assert summary["final_round_accuracy"] == rows["fedavg"][-1]["accuracy"]
     assert "final_few_accuracy" in summary
+    # the clients' own test splits are served by the model the run ends with, the calibrated one
+    # (they read the last round's FedAvg model before: the table's per-client column for CCVR)
+    fedavg_summary = json.loads((tmp_path / "fedavg" / "summary.json").read_text())
+    assert summary["final_round_local_accuracy"] == fedavg_summary["final_local_accuracy"]
+    assert summary["final_local_accuracy"] != summary["final_round_local_accuracy"]
 
 
 def test_ccvr_every_round_is_the_variant_that_calibrates_each_round():

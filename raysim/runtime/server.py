@@ -482,7 +482,7 @@ class FederatedServer:
             summary["rounds_without_updates"] = empty
         if self.clock is not None:
             summary.update(self.clock.summary(self.record.writer.rows, self.cfg.system.target_accuracy))
-        summary.update(self._after_training(summary["final_accuracy"]))
+        summary.update(self._after_training(summary["final_accuracy"], summary.get("final_local_accuracy")))
         if self.algorithm.unshared:  # the server's model is no client's: its accuracy is not the method's
             summary["server_model_unshared"] = self.algorithm.unshared
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
@@ -512,10 +512,12 @@ class FederatedServer:
         self.dispatch.release()
         return summary
 
-    def _after_training(self, last_round_accuracy: Optional[float]) -> dict:
+    def _after_training(self, last_round_accuracy: Optional[float], last_round_local: Optional[float] = None) -> dict:
         """The algorithm's post-hoc step (`Algorithm.after_training`, e.g. CCVR's calibration),
         its models evaluated on the test set: summary fields. The first model's accuracy is
-        the run's `final_accuracy` (and shot groups); the last round's is kept beside it."""
+        the run's `final_accuracy` (and shot groups), and it serves the clients' own test splits
+        (`final_local_accuracy`: it is the model the run ends with); the last round's are kept
+        beside them (`final_round_accuracy`, `final_round_local_accuracy`)."""
         rnd = int(self.cfg.rounds)
         self.record.new_round()
         t0 = time.time()
@@ -537,6 +539,10 @@ class FederatedServer:
                     out.update({f"final_{k}": v for k, v in
                                 shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots).items()})
         first = next(iter(models))
+        if self.local_tests is not None:
+            cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]  # as the last round's
+            local, _ = self.local_tests.evaluate(models, {first: cids})
+            out.update(final_local_accuracy=local["local_accuracy"], final_round_local_accuracy=last_round_local)
         last = "-" if last_round_accuracy is None else f"{last_round_accuracy:.4f}"
         self.record.log(f"after training: {first} accuracy={out['final_accuracy']:.4f} (the last round's: {last}), "
                         f"{time.time() - t0:.2f} s")
