@@ -412,7 +412,8 @@ def main(argv=None) -> int:
         skip = read_skip(args.file, grid)
         if args.skip_listed is not None:
             listed = read_listed(args.skip_listed, grid)
-            print(f"{args.skip_listed}: {len(listed)} point(s) listed, left out")
+            hit = sum(skipped(dict(zip(grid, combo)), listed) for combo in itertools.product(*grid.values()))
+            print(f"{args.skip_listed}: {len(listed)} row(s), {hit} of the grid's points listed: left out")
             skip += listed
         sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip)
     except ConfigError as e:

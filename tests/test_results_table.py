@@ -78,7 +78,7 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     listed.write_text("\n".join(line for line in lines if ",fedper," not in line) + "\n")
     rc, out, err = sweep(["--file", str(f), "--output-dir", str(runs), "--skip-listed", str(listed)])
     assert rc == 0, err
-    assert "2 point(s) listed, left out" in out and "1 points, 0 done, 1 to run" in out
+    assert "2 row(s), 2 of the grid's points listed: left out" in out and "1 points, 0 done, 1 to run" in out
     assert [p.name for p in (runs / "t").iterdir() if not p.name.startswith(".")] == [
         "seed=0,setting=digits,algorithm=fedper"]
     assert table(["--sweep", str(f), "--doc", str(doc), "--runs-dir", str(runs)]) == 0
