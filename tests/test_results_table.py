@@ -94,6 +94,29 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert again["model_sha256"] == want["model_sha256"] == fedavg["model_sha256"]
 
 
+def test_a_cell_with_a_diverged_run_says_so(tmp_path):
+    """From runs.csv alone (no run folders): a run that stopped on a non-finite model counts
+    with its last evaluation, and its cell says how many did."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    rows = [{"setting": "digits", "algorithm": "fedavg", "seed": "0", "final_accuracy": "0.5",
+             "final_local_accuracy": "0.4", "status": "diverged", "model_sha256": ""},
+            {"setting": "digits", "algorithm": "fedper", "seed": "0", "final_accuracy": "0.9",
+             "final_local_accuracy": "0.8", "final_personal_accuracy": "0.95", "server_model_unshared": "head",
+             "status": "finished", "model_sha256": "ab" * 32}]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    assert write_doc(f, tmp_path / "results.md", tmp_path / "runs") == {"runs": 3, "done": 2}
+    text = (tmp_path / "results.md").read_text()
+    assert "| fedavg | 50.0 ± 0.0 (1 diverged) | 40.0 ± 0.0 (1 diverged) |" in text
+    assert "| fedper | 90.0 ± 0.0 † | 95.0 ± 0.0 |" in text  # per client: its own models'
+
+
 def test_skip_listed_that_names_no_grid_axis_or_no_file_is_one_line(tmp_path):
     f = tmp_path / "table.yaml"
     f.write_text(SWEEP)

@@ -188,7 +188,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "what runs.csv lacks). Each cell: mean ± std over the seeds done (a cell short "
              "of seeds says how many it has). *global*: the server's model on the test set after the last round "
              "(† a method whose server model is no client's; ‡ a clustered method's mean of its group models, "
-             "which serves only a client not yet in a group); *per client*: each client's own test split with the "
+             "which serves only a client not yet in a group; \"(N diverged)\": N of its runs stopped when their model "
+             "went non-finite, and count with their last evaluation before that); *per client*: each client's own test split with the "
              "model that serves it (a personalised method: the client's own model; a clustered one: its group's; "
              "the others: the global model), the sample-weighted accuracy, the one column every method is "
              "comparable on; *MiB*: both ways, whole run; *sim s*: simulated seconds "
@@ -219,8 +220,11 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
                 _write_config(here[0]["dir"], config, plan["given"])
             link = f"[{algorithm}](results/{setting}/{algorithm}.yaml)" if ran and config.is_file() else algorithm
             mark = _global_mark(cell[0]["method"], ran)
+            diverged = sum(p["record"].get("status") == "diverged" for p in ran)
+            gone = f" ({diverged} diverged)" if diverged else ""  # their numbers: the last evaluation before
             glob = _cell([p["record"]["final_accuracy"] for p in ran], seeds, True)
-            own = _cell([_per_client(p["record"]) for p in ran], seeds, True)
+            own = _cell([_per_client(p["record"]) for p in ran], seeds, True) + (gone if ran else "")
+            mark += gone if glob != "-" else ""
             mib = _cell([p["record"]["mib"] for p in ran], seeds, False)
             sim = _cell([p["record"]["sim_seconds"] for p in ran], seeds, False)
             lines.append(f"| {link} | {glob}{mark if glob != '-' else ''} | {own} | {mib} | {sim} | "
