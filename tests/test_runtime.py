@@ -275,6 +275,7 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_the_rounds_before(ray_loca
     assert [r["round"] for r in pq.read_table(d / "metrics.parquet").to_pylist()] == [1, 2]
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "diverged" and s["diverged_round"] == 3 and s["final_accuracy"] > 0.1
+    assert s["client_processors"] and "torch" in s["client_processors"][0]  # where its bits came from
     assert not (d / "model.pt").exists()  # no NaN model is left as the run's result
 
 

@@ -436,13 +436,29 @@ class FederatedServer:
         self.stop_early(rnd, "diverged", RunDiverged, f"{self.cfg.algorithm} diverged: {'; '.join(what)}. Try a "
                         f"smaller local.lr (now {loc.lr}) or local.momentum (now {loc.momentum})")
 
+    def _where_trained(self) -> dict:
+        """Summary fields: where the client actors ran and what their bits depend on
+        (deterministic kernels, device, processor and torch build: a CUDA run and a CPU run of
+        one config, or runs on two CPU kinds, differ by float rounding; docs/guide.md)."""
+        nodes: dict[str, int] = {}
+        devices: set[str] = set()
+        processors: set[str] = set()
+        for info in self.dispatch.actor_info():
+            nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
+            devices.add(info["device"])
+            processors.add(f'{info["processor"]}, torch {info["torch"]}')
+        return {"client_actor_nodes": nodes, "determinism": bool(self.cfg.determinism),
+                "client_devices": sorted(devices),
+                "client_processors": sorted(processors)}  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
+
     def stop_early(self, rnd: int, status: str, error: type, why: str) -> None:
         """End the run in round `rnd`, which cannot go on: the rounds before stay in the run
         directory, its summary says `status` and why; raises `error` (RunDiverged's kind)."""
         kept = f"the metrics of rounds 1..{rnd - 1} are in {self.record.dir}" if rnd > 1 else "no round finished"
         msg = f"round {rnd}: {why}; {kept}"
         self.record.log(msg)
-        self.record.finish({**self.record.summary(), "status": status, f"{status}_round": rnd, "reason": msg}, None)
+        self.record.finish({**self.record.summary(), "status": status, f"{status}_round": rnd, "reason": msg,
+                            **self._where_trained()}, None)
         self.dispatch.release()  # a clean stop: the actors can serve the next run
         raise error(msg)
 
@@ -486,19 +502,7 @@ class FederatedServer:
         if self.algorithm.unshared:  # the server's model is no client's: its accuracy is not the method's
             summary["server_model_unshared"] = self.algorithm.unshared
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
-        nodes: dict[str, int] = {}
-        devices: set[str] = set()
-        processors: set[str] = set()
-        for info in self.dispatch.actor_info():
-            nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
-            devices.add(info["device"])
-            processors.add(f'{info["processor"]}, torch {info["torch"]}')
-        summary["client_actor_nodes"] = nodes
-        # what the bits depend on: deterministic kernels, and where clients trained (a CUDA
-        # run and a CPU run of one config differ by float rounding: docs/guide.md)
-        summary["determinism"] = bool(self.cfg.determinism)
-        summary["client_devices"] = sorted(devices)
-        summary["client_processors"] = sorted(processors)  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
+        summary.update(self._where_trained())
         if self.accountant is not None:
             a = self.accountant
             spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity
