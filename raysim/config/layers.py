@@ -268,7 +268,7 @@ def asks_for_ray(resources, faults, ray) -> Optional[str]:
         return "resources.ray_start_s=0"
     if resources.num_actors is not None or resources.clients_per_actor != "auto":
         return "resources.num_actors / clients_per_actor ask for client actors"
-    if resources.num_gpus_per_actor > 0:
+    if resources.num_gpus_per_actor == "auto" or resources.num_gpus_per_actor > 0:
         return "resources.num_gpus_per_actor: client actors on GPUs"
     if faults.kill_rounds or faults.kill_fraction or int(faults.crash_round) >= 0:
         return "faults.* kill client actors' processes"

@@ -52,6 +52,9 @@ class EvalConfig:
     # > 0: also each client's model fine-tuned this many epochs on its own training data, tested on
     # its own test split (`personal_accuracy`: FedAvg-FT for any algorithm; needs partition.test_fraction)
     finetune_epochs: int = 0
+    # where the global test set is evaluated: server (its CPU), clients (a client actor's device: its GPU),
+    # auto (clients when the client actors train on CUDA, else server): runtime/remote_eval.py
+    where: str = "auto"
 
 
 @dataclass
@@ -100,7 +103,9 @@ class ResourcesConfig:
     # autoscaling cluster the autoscaler adds nodes until they fit
     num_cpus_per_actor: Optional[float] = None  # None: 1 CPU each, or an equal share of the CPUs when
     # clients_per_actor asks for more actors than there are CPUs
-    num_gpus_per_actor: float = 0.0
+    num_gpus_per_actor: Any = 0.0  # a GPU fraction, or "auto": as many actors per GPU as fit one client update's
+    # measured GPU memory (runtime/gpu_packing.py)
+    gpu_memory_headroom: float = 0.1  # num_gpus_per_actor=auto: the fraction of each GPU's memory kept free
     torch_threads: int = 1  # torch intra-op threads in each client actor
     tasks_per_actor: Optional[int] = None  # an actor's clients of a round in up to this many tasks, so the server folds
     # the first tasks' models while it trains the rest; None: 4 where actors hold a GPU and models are >= 1 MB, else 1

@@ -90,6 +90,8 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
     need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
     need(cfg.eval.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0 (0: off), got {cfg.eval.finetune_epochs}")
+    need(cfg.eval.where in ("auto", "server", "clients"),
+         f"eval.where must be auto, server or clients (where the test set is evaluated), got {cfg.eval.where!r}")
     need(cfg.eval.tau_norm >= 0, f"eval.tau_norm must be >= 0 (0: off, 1: unit-norm classifier rows), got {cfg.eval.tau_norm}")
     shots = list(cfg.eval.shots)
     need(len(shots) == 2 and shots[0] >= shots[1] >= 0,
@@ -195,7 +197,13 @@ def validate(cfg: DictConfig) -> None:
     need(r.num_actors is None or r.num_actors >= 1, f"resources.num_actors must be >= 1, got {r.num_actors}")
     need(r.num_cpus_per_actor is None or r.num_cpus_per_actor >= 0,
          f"resources.num_cpus_per_actor must be >= 0, got {r.num_cpus_per_actor}")
-    need(r.num_gpus_per_actor >= 0, f"resources.num_gpus_per_actor must be >= 0, got {r.num_gpus_per_actor}")
+    g = r.num_gpus_per_actor
+    need(g == "auto" or (isinstance(g, (int, float)) and not isinstance(g, bool) and g >= 0),
+         f"resources.num_gpus_per_actor must be a number >= 0 (a GPU fraction) or 'auto' (as many actors per GPU "
+         f"as fit one client update's measured memory), got {g!r}")
+    need(0 <= r.gpu_memory_headroom < 1,
+         f"resources.gpu_memory_headroom must be in [0, 1) (the fraction of a GPU's memory kept free), got "
+         f"{r.gpu_memory_headroom}")
     need(cfg.data_store_dir is None or str(cfg.data_store_dir).strip() != "",
          "data_store_dir must be a folder (or null: $RAYSIM_CACHE_DIR/arrays), got an empty string")
     need(cfg.data_store in ("auto", "memory", "files"), f"data_store must be auto, memory (Ray's object store) or "

@@ -28,7 +28,7 @@ from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import determinism
 from raysim.runtime.wire import pack, unpack
-from raysim.training import client_method, new_client, partial_sum
+from raysim.training import client_method, evaluate, new_client, partial_sum
 from raysim.vectorized import Cohort, group_sum, unstack
 
 
@@ -205,6 +205,42 @@ class ClientRunner:
         x = self.x[torch.from_numpy(rows).to(self.x.device)] if raw is None else torch.from_numpy(raw)
         y = self.y[torch.from_numpy(rows).to(self.y.device)]
         return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)
+
+    def probe_memory(self, *args, **kwargs) -> dict:
+        """`run(*args)` once, measuring the GPU memory it takes (`resources.num_gpus_per_actor=auto`,
+        runtime/gpu_packing.py): the device's total, what it held beyond torch's cache before
+        (this process's CUDA context, and any other process's), and torch's peak reserved and
+        allocated during the call. The results are thrown away. On a CPU: {"device": "cpu"}."""
+        if self.device.type != "cuda":
+            return {"device": str(self.device)}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        context = (total - free) - torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        out = {"device": str(self.device), "total": total, "context": context}
+        try:
+            self.run(*args, **kwargs)
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            out["oom"] = True
+        out.update(peak_reserved=torch.cuda.max_memory_reserved(), peak_allocated=torch.cuda.max_memory_allocated())
+        torch.cuda.empty_cache()
+        return out
+
+    def evaluate(self, test: list, models: list, num_classes: int) -> list[dict]:
+        """`training.evaluate` of each model on the test set, on this actor's device (its GPU:
+        runtime/remote_eval.py). `test`: [a reference to (x_test, y_test)], inside a list so
+        that Ray hands over the reference, not the value: the set is moved to the device on
+        the first call and kept for the run's later ones."""
+        if self.x is None:
+            raise DataNotAttached("client actor has no data (restarted since its last call)")
+        key = test[0].hex() if hasattr(test[0], "hex") else id(test[0])
+        if getattr(self, "_test_key", None) != key:
+            x, y = (self.fetch or ray.get)(test[0])
+            self._test = (x.to(self.device), y.to(self.device))
+            self._test_key = key
+        return [evaluate(m.to(self.device), *self._test, num_classes) for m in models]
 
     def die(self) -> None:
         """Fault injection (`faults.kill_fraction`): this actor's process exits now."""

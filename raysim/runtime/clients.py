@@ -13,7 +13,7 @@ from raysim.lazy_ray import ray
 
 from raysim.errors import ConfigError
 from raysim.runtime import pool
-from raysim.runtime.placement import actors_that_fit, cpus_per_actor, num_actors
+from raysim.runtime.placement import actors_that_fit, cpus_per_actor, gpus_per_actor, num_actors
 
 
 class ClientActor:
@@ -26,6 +26,12 @@ class ClientActor:
 
     def run(self, *args, **kwargs):
         return self.runner.run(*args, **kwargs)
+
+    def probe_memory(self, *args, **kwargs):
+        return self.runner.probe_memory(*args, **kwargs)
+
+    def evaluate(self, *args):
+        return self.runner.evaluate(*args)
 
     def die(self) -> None:
         self.runner.die()
@@ -46,8 +52,11 @@ def start_client_actors(cfg, run: str) -> tuple[list, tuple, int]:
     (bounded by `resources.placement_timeout`, see `Dispatch.placed`)."""
     res = cfg.resources
     total = ray.cluster_resources()
-    n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))
-    cpus, gpus = cpus_per_actor(cfg, n, total.get("CPU", 0)), float(res.num_gpus_per_actor)
+    if res.num_gpus_per_actor == "auto" and total.get("GPU", 0) > 0:  # the probe: one actor, a whole GPU
+        n, cpus, gpus = 1, cpus_per_actor(cfg, 1, total.get("CPU", 0)), 1.0  # (runtime/gpu_packing.py)
+    else:
+        n = num_actors(cfg, total.get("CPU", 0), total.get("GPU", 0))
+        cpus, gpus = cpus_per_actor(cfg, n, total.get("CPU", 0)), gpus_per_actor(res)
     reused = pool.take_client_actors((cpus, gpus), n if cfg.ray.reuse_workers else 0)
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     fit = actors_that_fit(nodes, cpus, gpus)

@@ -98,7 +98,7 @@ def tasks_per_actor(resources, payload_bytes: int) -> int:
     slower (MLP of 9.9 M parameters, 1 actor on 2 cores: 6.99 s a round against 6.34 s)."""
     if resources.tasks_per_actor is not None:
         return int(resources.tasks_per_actor)
-    return PIPELINE_TASKS if resources.num_gpus_per_actor > 0 and payload_bytes >= PIPELINE_BYTES else 1
+    return PIPELINE_TASKS if placement.gpus_per_actor(resources) > 0 and payload_bytes >= PIPELINE_BYTES else 1
 
 
 def tasks_for_states(state_bytes: int, store_bytes: float) -> int:
@@ -127,6 +127,12 @@ class Dispatch:
             self.needs = describe_needs(*self.actor_key)
             total = ray.cluster_resources()
             self.why = placement.why_actors(cfg, len(self.actors), total.get("CPU", 0), total.get("GPU", 0))  # for the log
+        self.here = here_why is not None
+        self.run_name = run_name
+        # num_gpus_per_actor=auto on a cluster with GPUs: the one actor started is the probe, measured at the
+        # first training call (runtime/gpu_packing.py); `gpu_packing` is then what was measured and chosen
+        self.probe_pending = not self.here and cfg.resources.num_gpus_per_actor == "auto" and self.actor_key[1] > 0
+        self.gpu_packing: Optional[dict] = None
         self.n_actors = len(self.actors)
         total = self.ray.cluster_resources()
         self.one_per_client = cfg.resources.clients_per_actor == 1
@@ -151,6 +157,10 @@ class Dispatch:
         self.shared = (cfg_plain, [self.ray.put(arrays), self.ray.put(train_index)], num_classes, norm, pixel_max)
         self.sizes = sizes
 
+    def device(self) -> str:
+        """The first client actor's device ('cuda', 'cpu'), once it has started."""
+        return str(self.ray.get(self._ready[0])["device"])
+
     def placed(self, timeout: float) -> int:
         """How many client actors have been placed and have started (waits up to `timeout` s)."""
         ready, _ = self.ray.wait(self._ready, num_returns=len(self._ready), timeout=timeout)
@@ -168,6 +178,8 @@ class Dispatch:
         order given (the asynchronous loop places its clients itself)."""
         t0 = time.perf_counter()
         size = nbytes(payload)
+        if self.probe_pending and method == "client_update" and cids:
+            self._pack_by_memory(rnd, cids, epochs, payload, on, stateful)
         self.bytes[0] += size * len(cids)
         # A big payload goes to the object store once and every task gets the reference;
         # a small one is cheaper inlined in each task (Ray inlines arguments under 100 KB).
@@ -230,6 +242,38 @@ class Dispatch:
             start(call, later=False)  # an actor faults.* just killed loses its calls, which are redone
         self.seconds["broadcast"] += time.perf_counter() - t0
         return self._collect(rnd, method, calls, epochs, start, window)
+
+    def _pack_by_memory(self, rnd: int, cids: list[int], epochs: dict, payload: Any, on: str, stateful: bool) -> None:
+        """`resources.num_gpus_per_actor=auto`: one client update on the probe actor (a whole
+        GPU), measured; the probe goes and as many actors per GPU as fit start instead
+        (runtime/gpu_packing.py). The probe's results are thrown away."""
+        from raysim.runtime import gpu_packing
+
+        self.probe_pending = False
+        group = int(self.cfg.local.vectorize_group) if self.cfg.local.vectorize else 0
+        chunk = gpu_packing.probe_clients(cids, self.sizes, group)
+        states = [self.states.get(c) for c in chunk] if stateful else None
+        sums = self.sum_block > 0
+        blocks = [len(chunk)] if group or sums else None
+        probe = self.actors[0].probe_memory.remote(self.shared, rnd, "client_update", on, chunk, [epochs[c] for c in chunk],
+                                                   1, blocks, bool(group), sums, pack(payload), states, redo=True)
+        measured = self.ray.get(probe)
+        what = (f"clients {chunk[0]}-{chunk[-1]}, a vectorised group" if group else
+                f"client {chunk[0]}, {int(self.sizes[chunk[0]])} samples") + f", batch {int(self.cfg.local.batch_size)}"
+        frac, self.gpu_packing, line = gpu_packing.decide(measured, float(self.cfg.resources.gpu_memory_headroom), what)
+        self.record.log(line)
+        for a in self.actors:
+            self.ray.kill(a)
+        self.cfg.resources.num_gpus_per_actor = frac
+        self.actors, self.actor_key, self.reused = start_client_actors(self.cfg, self.run_name)
+        self.n_actors = len(self.actors)
+        self._attached, self._restarting = set(), set()
+        self._ready = [a.device_info.remote() for a in self.actors]
+        total = ray.cluster_resources()
+        self.needs = describe_needs(*self.actor_key)
+        self.why = placement.why_actors(self.cfg, self.n_actors, total.get("CPU", 0), total.get("GPU", 0))
+        self.gpu_packing["actors"] = self.n_actors
+        self.record.log(f"{self.n_actors} client actors ({self.needs} each) replace the probe ({self.why})")
 
     def _submit(self, a: int, args: tuple, n_returns: int, redo: bool = False) -> list:
         """Actor `a`'s task for `args` (the data references with its first call); its refs."""

@@ -17,9 +17,16 @@ import numpy as np
 from omegaconf import DictConfig
 
 
+def gpus_per_actor(r) -> float:
+    """`resources.num_gpus_per_actor` as a number: `auto` before its measurement
+    (runtime/gpu_packing.py) counts as none."""
+    return 0.0 if r.num_gpus_per_actor == "auto" else float(r.num_gpus_per_actor)
+
+
 def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int:
     n = int(cfg.num_clients)
     r = cfg.resources
+    gpus = gpus_per_actor(r)
     if r.num_actors is not None:  # an autoscaling cluster grows until they all fit
         return min(n, int(r.num_actors))
     if r.clients_per_actor != "auto":
@@ -28,8 +35,8 @@ def num_actors(cfg: DictConfig, cluster_cpus: float, cluster_gpus: float) -> int
     fits = []
     if cpus > 0:
         fits.append(int(cluster_cpus // cpus))
-    if r.num_gpus_per_actor > 0:
-        fits.append(int(cluster_gpus // r.num_gpus_per_actor))
+    if gpus > 0:
+        fits.append(int(cluster_gpus // gpus))
     if not fits:  # 0 CPUs and no GPU each: nothing bounds the count; one per CPU, as the default
         fits.append(int(max(cluster_cpus, 1)))
     return max(1, min([n, *fits]))
@@ -44,12 +51,13 @@ def why_actors(cfg: DictConfig, n_actors: int, cluster_cpus: float, cluster_gpus
         return f"resources.clients_per_actor={r.clients_per_actor}"
     if n_actors == int(cfg.num_clients):
         return "one per client: the cluster holds that many"
+    gpus = gpus_per_actor(r)
     cpus = 1.0 if r.num_cpus_per_actor is None else float(r.num_cpus_per_actor)
-    if cpus == 0 and not r.num_gpus_per_actor:
+    if cpus == 0 and not gpus:
         return (f"resources.num_cpus_per_actor=0 bounds nothing: one per CPU of the cluster's {cluster_cpus:g}; "
                 "resources.num_actors sets the count")
     per = [f"{cluster_cpus:g} CPUs / {cpus:g}" if cpus > 0 else None,
-           f"{cluster_gpus:g} GPUs / {r.num_gpus_per_actor:g}" if r.num_gpus_per_actor else None]
+           f"{cluster_gpus:g} GPUs / {gpus:g}" if gpus else None]
     return "as many as fit: " + " and ".join(p for p in per if p)
 
 

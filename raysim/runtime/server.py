@@ -46,8 +46,9 @@ from raysim.world.clock import Clock
 from raysim.runtime.dispatch import Dispatch
 from raysim.privacy.secagg import SecureAggregation
 from raysim.runtime.local_eval import clients_test_data
+from raysim.runtime.remote_eval import TestSet
 from raysim.runtime.record import RunRecord
-from raysim.training import evaluate, nbytes, tau_normalised
+from raysim.training import nbytes, tau_normalised
 
 
 class FederatedServer:
@@ -176,6 +177,8 @@ class FederatedServer:
         if files is not None:  # the node that holds them: hosts without the folder copy from it (data/replicate.py)
             self._shared[1] = {**files, "node": ray.get_runtime_context().get_node_id()}
         self.dispatch.share_data(*self._shared)
+        self.test_set = TestSet(self.cfg, self.dispatch, self.x_test, self.y_test, self.num_classes,
+                                lambda line: self.record.log(line))
         store_bytes = self.dispatch.store_bytes if self.dispatch.ray is ray else 0
         self.store_notice = placement.store_notice(self.data_bytes, store_bytes) if files is None else None
         self.data_where = (f"training data: {self.data_bytes / 2**30:.2f} GB in "
@@ -203,9 +206,13 @@ class FederatedServer:
                                 self.adversaries.attacking)
         d.record = self.record
         actors = ("the clients train in this process" if d.ray is not ray else
+                  "1 client actor, resources.num_gpus_per_actor=auto's probe (1 GPU: the first training call measures "
+                  "one client update, then as many actors per GPU as fit replace it)" if d.probe_pending else
                   f"{d.n_actors} client actors ({d.needs} each)")
         self.record.log(f"{actors} for {self.num_clients} clients ({d.why})"
                         + (f"; {d.reused} of them reused from an earlier run" if d.reused else ""))
+        if self.cfg.resources.num_gpus_per_actor == "auto" and not d.probe_pending and d.ray is ray:
+            self.record.log("resources.num_gpus_per_actor=auto: the cluster has no GPU; the client actors train on CPUs")
         self.record.log(self.data_where)
         if self.store_notice:
             self.record.log(f"note: {self.store_notice}")
@@ -332,8 +339,7 @@ class FederatedServer:
         evaluated: dict[int, float] = {}  # per-client accuracy on local test data
         personal_accuracy: dict[int, float] = {}  # ... of the client's own model (runtime/personal_eval.py)
         if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
-            for i, (name, model) in enumerate(models.items()):
-                ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
+            for i, (name, ev) in enumerate(zip(models, self.test_set.evaluate(list(models.values())))):
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
                 if i == 0 and self.shots is not None:
@@ -503,6 +509,9 @@ class FederatedServer:
             summary["server_model_unshared"] = self.algorithm.unshared
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
         summary.update(self._where_trained())
+        summary["eval_where"] = self.test_set.where or "server"
+        if self.dispatch.gpu_packing is not None:
+            summary["gpu_packing"] = self.dispatch.gpu_packing
         if self.accountant is not None:
             a = self.accountant
             spent = a.epsilon(int(self.cfg.rounds))  # inf without noise: null in JSON, which has no infinity
@@ -533,8 +542,7 @@ class FederatedServer:
             models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
         self._check_finite(rnd, {}, models)
         out: dict = {"final_round_accuracy": last_round_accuracy, "after_training": {}}
-        for i, (name, model) in enumerate(models.items()):
-            ev = evaluate(model, self.x_test, self.y_test, self.num_classes)
+        for i, (name, ev) in enumerate(zip(models, self.test_set.evaluate(list(models.values())))):
             out["after_training"][name] = {"accuracy": ev["accuracy"], "loss": ev["loss"],
                                            "per_class_accuracy": ev["per_class_accuracy"]}
             if i == 0:
