@@ -226,7 +226,9 @@ def test_logical_gpus_place_eight_quarter_gpu_actors_on_each_host(ray_local, two
     """Hosts started with --num-gpus=2 (logical: this machine has no GPU) and actors of a
     quarter GPU each: 16 actors, 8 on each host, which summary.json records; the actors see
     no CUDA device, so they train on the CPU (`client_devices`), and the model is the
-    one-node run's. What only a real GPU cluster shows: docs/cluster.md."""
+    one-node run's. `num_gpus_per_actor=auto` starts its probe, which measures nothing
+    without CUDA: one actor per GPU, 2 on each host, the same model. What only a real GPU
+    cluster shows: docs/cluster.md."""
     cluster = two_nodes_with_gpus
     run = ["dataset=digits", "model=mclr", "num_clients=32", "participation=0.5", "rounds=2", "local.epochs=1",
            "resources.num_gpus_per_actor=0.25", "resources.num_cpus_per_actor=0.25", f"output_dir={tmp_path}", "--quiet"]
@@ -237,10 +239,21 @@ def test_logical_gpus_place_eight_quarter_gpu_actors_on_each_host(ray_local, two
     assert sorted(summary["client_actor_nodes"].values()) == [8, 8], summary["client_actor_nodes"]
     assert summary["client_devices"] == ["cpu"]
     assert "16 client actors (0.25 CPU + 0.25 GPU each)" in (tmp_path / "gpus" / "log.txt").read_text()
+    # num_gpus_per_actor=auto: the probe (a whole GPU) sees no CUDA device, so one actor per GPU: 4
+    auto = [a.replace("=0.25", "=auto") if a.startswith("resources.num_gpus") else a for a in run]
+    r = subprocess.run([sys.executable, "-m", "raysim.run", *auto, f"ray.address={cluster['address']}", "run_name=auto"],
+                       env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (tmp_path / "auto" / "log.txt").read_text()
+    assert "1 client actor, resources.num_gpus_per_actor=auto's probe" in log and "no CUDA device" in log
+    assert "4 client actors (0.25 CPU + 1 GPU each) replace the probe" in log
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert summary["gpu_packing"]["actors"] == 4 and sorted(summary["client_actor_nodes"].values()) == [2, 2]
     one = [a for a in run if not a.startswith("resources.")]
     assert main([*one, "resources.num_actors=2", "run_name=one"]) == 0
-    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("gpus", "one"))
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    for name in ("gpus", "auto"):
+        a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in (name, "one"))
+        assert all(torch.equal(a[k], b[k]) for k in b), name
 
 
 @pytest.mark.slow
