@@ -86,12 +86,15 @@ def rows(dry: bool) -> list[tuple[str, str, dict, str]]:
         ("cnn100", 4, True, {"ray.reuse_workers": False}, "repeated, fresh actors", "per-client", True),
         ("cnn100", 4, True, {"determinism": False}, "determinism=false", "", True),
         ("cnn100", 16, False, {}, "", "", False),
+        ("cnn100", 0, True, {"resources.num_gpus_per_actor": "auto"}, "num_gpus_per_actor=auto", "per-client", True),
         ("vgg9", 4, True, {}, "", "vgg9", True),
         ("vgg9", 4, True, {"ray.reuse_workers": False}, "repeated, fresh actors", "vgg9", False),
         ("vgg9", 4, True, {"determinism": False}, "determinism=false", "", False),
         ("vgg9", 4, True, {"resources.tasks_per_actor": 1}, "one task per actor (no fold while training)", "vgg9",
          False),
         ("vgg9", 4, True, {"local.vectorize": True, "local.vectorize_group": 8}, "vectorised", "", False),
+        ("vgg9", 4, True, {"eval.where": "server"}, "eval.where=server (the server's CPU)", "vgg9", True),
+        ("vgg9", 0, True, {"resources.num_gpus_per_actor": "auto"}, "num_gpus_per_actor=auto", "", True),
         ("cnn1000", 4, True, VEC250, "vectorised, groups of 250", "vectorised", True),
         ("cnn1000", 2, True, VEC250, "vectorised, groups of 250", "vectorised", False),
         ("cnn1000", 1, True, VEC250, "vectorised, groups of 250", "vectorised", True),
@@ -110,7 +113,10 @@ def rows(dry: bool) -> list[tuple[str, str, dict, str]]:
             actors, gpu = min(actors, 2), False
         cpus = os.cpu_count() or 1
         overrides = {"resources.num_actors": actors, **extra}
-        if gpu:
+        if extra.get("resources.num_gpus_per_actor") == "auto":  # the count is the packing's (and the CPUs')
+            overrides.pop("resources.num_actors")
+            label, note = note, ""
+        elif gpu:
             overrides["resources.num_gpus_per_actor"] = 1.0 / actors
             label = f"{actors} x {1 / actors:g} GPU"
         else:
@@ -138,9 +144,10 @@ def run_raysim(overrides: dict, out: Path, name: str) -> dict:
     m = res.metrics
     steady = m.iloc[1:] if len(m) > 1 else m
     med = {k: float(steady[f"{k}_seconds" if k != "seconds" else k].median())
-           for k in ("seconds", "train", "aggregate")}
+           for k in ("seconds", "train", "aggregate", "eval")}
     return {**med, "hash": model_hash(res.run_dir / "model.pt"), "accuracy": res.summary.get("final_accuracy"),
-            "devices": res.summary.get("client_devices")}
+            "devices": res.summary.get("client_devices"), "packing": res.summary.get("gpu_packing"),
+            "eval_where": res.summary.get("eval_where"), "actors": sum(res.summary["client_actor_nodes"].values())}
 
 
 def plain_loop(overrides: dict, device: str, rounds: int = 4) -> float:
@@ -229,12 +236,23 @@ def main(argv=None) -> int:
         for wl in loads:
             base = {**COMMON, **loads[wl]}
             say(f"== {wl}: " + " ".join(f"{k}={v}" for k, v in loads[wl].items() if k not in ("data_dir",)))
-            say(f"   {'way':<52} {'s/round':>8} {'train':>7} {'aggr.':>7} {'aggr.%':>6}  sha256[:12]  accuracy")
+            say(f"   {'way':<52} {'s/round':>8} {'train':>7} {'aggr.':>7} {'aggr.%':>6} {'eval':>6} "
+                f"{'+eval%':>6}  sha256[:12]  accuracy  eval on")
             for i, (w, label, extra, same) in enumerate(r for r in rows(args.dry) if r[0] == wl):
                 r = results[(wl, label)] = run_raysim({**base, **extra}, Path(tmp), f"{wl}-{i}")
                 r["same"] = same
+                whole = r["seconds"] + r["eval"]  # a round with its evaluation
                 say(f"   {label:<52} {r['seconds']:8.3f} {r['train']:7.3f} {r['aggregate']:7.3f} "
-                    f"{100 * r['aggregate'] / max(r['seconds'], 1e-9):5.1f}%  {r['hash'][:12]}  {r['accuracy']:.4f}")
+                    f"{100 * r['aggregate'] / max(r['seconds'], 1e-9):5.1f}% {r['eval']:6.3f} "
+                    f"{100 * (r['aggregate'] + r['eval']) / max(whole, 1e-9):5.1f}%  {r['hash'][:12]}  "
+                    f"{r['accuracy']:.4f}  {r['eval_where']}")
+                if r["packing"]:
+                    p_ = r["packing"]
+                    say(f"      auto packing: {r['actors']} actors, {p_.get('actors_per_gpu')} per GPU fit, "
+                        f"{p_.get('num_gpus_per_actor')} GPU each; measured "
+                        + (f"peak {p_['peak_reserved_bytes'] / 2**20:,.0f} MiB reserved ({p_['peak_allocated_bytes'] / 2**20:,.0f}"
+                           f" MiB allocated) + {p_['context_bytes'] / 2**20:,.0f} MiB context of "
+                           f"{p_['gpu_total_bytes'] / 2**30:.1f} GiB; {p_['probe']}" if p_.get("measured") else "nothing"))
             plain = plain_loop(base, device, rounds=3 if args.dry else 4)
             say(f"   {'plain torch loop, one process, shards on ' + device:<52} {plain:8.3f}")
             best = min(v["seconds"] for (w, _), v in results.items() if w == wl)

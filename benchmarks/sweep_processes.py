@@ -1,7 +1,7 @@
 """Run a sweep file's points as plain `python -m raysim.run` processes, N at a time.
 
     python benchmarks/sweep_processes.py --file configs/sweeps/fed2_speed_mnist.yaml --parallel 4 \
-        [--output-dir DIR] [--python python3] [KEY=VALUE ...]
+        [--output-dir DIR] [--python python3] [--only REGEX ...] [KEY=VALUE ...]
 
 For a machine where `raysim.sweep` cannot run its points on Ray Tune (the lent GPU machine
 has Ray without Tune's dependencies), and for GPU points: each process starts its own local
@@ -18,6 +18,7 @@ give an --output-dir outside $OUT and tar it into $OUT at the end: point names h
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -37,10 +38,13 @@ def main(argv=None) -> int:
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--output-dir", type=Path, default=Path("runs/sweeps"))
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--only", action="append", default=[], metavar="REGEX",
+                   help="run only the points whose name matches one of these (re.search), in grid order")
     args = p.parse_args(argv)
     name, files, fixed, grid = parse([], args.file)
     sweep_dir = (args.output_dir / name).resolve()
-    points = [q for q in plan(files, fixed, grid, sweep_dir) if q["state"] != "done"]
+    points = [q for q in plan(files, fixed, grid, sweep_dir) if q["state"] != "done"
+              and (not args.only or any(re.search(r, q["name"]) for r in args.only))]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     print(f"{sweep_dir}: {len(points)} point(s) to run, {args.parallel} at a time", flush=True)
     config = [f"--config={f}" for f in files]
