@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -93,6 +94,8 @@ def rows(dry: bool) -> list[tuple[str, str, dict, str]]:
         ("vgg9", 4, True, {"resources.tasks_per_actor": 1}, "one task per actor (no fold while training)", "vgg9",
          False),
         ("vgg9", 4, True, {"local.vectorize": True, "local.vectorize_group": 8}, "vectorised", "", False),
+        ("vgg9", 4, True, {"local.vectorize": True, "local.vectorize_group": 3}, "vectorised, groups of 3", "", False),
+        ("vgg9", 4, True, {"server.partial_sums": 3}, "partial sums of 3 clients on the actors", "", False),
         ("vgg9", 4, True, {"eval.where": "server"}, "eval.where=server (the server's CPU)", "vgg9", True),
         ("vgg9", 0, True, {"resources.num_gpus_per_actor": "auto"}, "num_gpus_per_actor=auto", "", True),
         ("cnn1000", 4, True, VEC250, "vectorised, groups of 250", "vectorised", True),
@@ -206,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, default=ROOT / "runs" / "data" / "mnist-split",
                    help="the MNIST split (python benchmarks/accuracy_mnist.py --write-split DIR)")
     p.add_argument("--out", type=Path, help="results file (default benchmarks/results-gpu-<card>.txt)")
+    p.add_argument("--only", help="only the rows whose 'workload: way' matches this regular expression")
     args = p.parse_args(argv)
     import torch
 
@@ -233,12 +237,14 @@ def main(argv=None) -> int:
     device = "cuda" if gpu and not args.dry else "cpu"
     t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for wl in loads:
+        for wl in [w for w in loads if not args.only or any(re.search(args.only, f"{r[0]}: {r[1]}")
+                                                              for r in rows(args.dry) if r[0] == w)]:
             base = {**COMMON, **loads[wl]}
             say(f"== {wl}: " + " ".join(f"{k}={v}" for k, v in loads[wl].items() if k not in ("data_dir",)))
             say(f"   {'way':<52} {'s/round':>8} {'train':>7} {'aggr.':>7} {'aggr.%':>6} {'eval':>6} "
                 f"{'+eval%':>6}  sha256[:12]  accuracy  eval on")
-            for i, (w, label, extra, same) in enumerate(r for r in rows(args.dry) if r[0] == wl):
+            for i, (w, label, extra, same) in enumerate(r for r in rows(args.dry) if r[0] == wl and
+                                                        (not args.only or re.search(args.only, f"{r[0]}: {r[1]}"))):
                 r = results[(wl, label)] = run_raysim({**base, **extra}, Path(tmp), f"{wl}-{i}")
                 r["same"] = same
                 whole = r["seconds"] + r["eval"]  # a round with its evaluation
