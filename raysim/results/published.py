@@ -91,24 +91,28 @@ NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", 
 def _record(point: dict, summary: dict, run_dir: Path) -> dict:
     """A finished run's row of runs.csv, from its folder."""
     row = {k: summary.get(k) for k in RECORD if k not in AXES}
-    row["mib"] = _traffic_mib(run_dir)
+    rounds = _metrics(run_dir)
+    row["mib"] = (rounds[-1]["bytes_down"] + rounds[-1]["bytes_up"]) / 2 ** 20 if rounds else None
     row["client_processors"] = "; ".join(summary.get("client_processors") or []) or None
-    row["accuracy_curve"], row["per_client_curve"] = _curves(run_dir)
+    row["accuracy_curve"], row["per_client_curve"] = _curves(rounds)
     return {**{k: point[k] for k in AXES}, **row}
 
 
-def _curves(run_dir: Path) -> tuple[str | None, str | None]:
-    """metrics.parquet's accuracy at every evaluation, "round:value ...": the global model's
-    and the per-client column's (personal_accuracy, else local_accuracy)."""
+def _metrics(run_dir: Path) -> list[dict]:
+    """metrics.parquet's rows, the columns runs.csv takes ([] without the file)."""
     import pyarrow.parquet as pq
 
     f = run_dir / "metrics.parquet"
     if not f.is_file():
-        return None, None
+        return []
     names = set(pq.read_schema(f).names)
-    rows = pq.read_table(f, columns=[c for c in ("round", "accuracy", "personal_accuracy", "local_accuracy")
-                                     if c in names]).to_pylist()
+    wanted = ("round", "accuracy", "personal_accuracy", "local_accuracy", "bytes_down", "bytes_up")
+    return pq.read_table(f, columns=[c for c in wanted if c in names]).to_pylist()
 
+
+def _curves(rows: list[dict]) -> tuple[str | None, str | None]:
+    """The accuracy at every evaluation, "round:value ...": the global model's and the
+    per-client column's (personal_accuracy, else local_accuracy)."""
     def curve(key: str) -> str | None:
         points = [f"{r['round']}:{r[key]:.4f}" for r in rows if r.get(key) is not None]
         return " ".join(points) or None
@@ -131,16 +135,6 @@ def read_records(path: Path) -> dict:
             row["server_model_unshared"] = row.get("server_model_unshared") or None
             rows[(row["setting"], row["algorithm"], row["seed"])] = row
     return rows
-
-
-def _traffic_mib(run_dir: Path) -> float | None:
-    import pyarrow.parquet as pq
-
-    f = run_dir / "metrics.parquet"
-    if not f.is_file():
-        return None
-    rows = pq.read_table(f, columns=["bytes_down", "bytes_up"]).to_pylist()
-    return (rows[-1]["bytes_down"] + rows[-1]["bytes_up"]) / 2 ** 20 if rows else None
 
 
 def _cell(values: list, of: int, percent: bool) -> str:
