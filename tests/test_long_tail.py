@@ -80,6 +80,25 @@ def test_focal_loss_is_cross_entropy_at_gamma_0_and_down_weights_easy_samples():
     assert torch.allclose(focal_loss(2.0)(model, x, y), (-(1 - p) ** 2 * p.log()).mean())
 
 
+@pytest.mark.parametrize("gamma", [0.5, 2.0])
+def test_focal_loss_gradients_stay_finite_when_a_sample_is_fitted_to_probability_one(gamma):
+    """A margin of 200 makes float32's p_y exactly 1: below gamma = 1 the gradient of
+    (1 - p)^gamma was inf x 0 = NaN there (Fed-Focal diverged at gamma 0.5). Now it is
+    finite, the fitted sample contributes no gradient, and the loss is unchanged."""
+    import torch
+
+    from raysim.training import focal_per_sample
+
+    logits = torch.tensor([[200.0, 0.0, 0.0], [0.3, 0.1, -0.2]], requires_grad=True)
+    y = torch.tensor([0, 1])
+    assert torch.softmax(logits, 1)[0, 0].item() == 1.0
+    loss = focal_per_sample(gamma)(logits, y)
+    loss.sum().backward()
+    assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[0], torch.zeros(3))
+    p = torch.softmax(logits.detach(), 1)[1, 1]
+    assert torch.allclose(loss[1], -(1 - p) ** gamma * p.log()) and loss[0].item() == 0.0
+
+
 def test_fedfocal_and_fedavg_taunorm_run_and_eval_tau_norm_applies_to_any_algorithm(ray_local, tmp_path):
     import torch
 
