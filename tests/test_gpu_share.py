@@ -63,11 +63,20 @@ def test_auto_on_a_ray_without_gpus_trains_on_the_cpus_and_says_so(ray_local, tm
 
 
 def test_the_test_set_evaluated_by_a_client_actor_gives_the_servers_numbers_on_the_same_device(ray_local, tmp_path):
-    """CCVR: a round's model and, after training, the calibrated one (after_training's
-    models), evaluated by the actors or by the server: the same accuracy and loss, bit for
-    bit (both on this CPU, the same batches); the model is the same either way."""
-    common = ["dataset=digits", "model=mlp", "algorithm=ccvr", "num_clients=8", "participation=0.5", "rounds=2",
+    """CReFF evaluates two models a round (its re-trained classifier and the FedAvg model: two
+    actors, one each) and CCVR one more after training (after_training's): evaluated by the
+    actors or by the server, the same accuracy and loss, bit for bit (both on this CPU, the
+    same batches); the model is the same either way."""
+    common = ["dataset=digits", "model=mlp", "num_clients=8", "participation=0.5", "rounds=2",
               "resources.num_actors=2", "eval_every=1", f"output_dir={tmp_path}", "--quiet"]
+    creff = ["algorithm=creff", "creff.match_steps=5", "creff.retrain_epochs=2"]
+    for where in ("server", "clients"):
+        assert main([*common, *creff, f"eval.where={where}", f"run_name=creff-{where}"]) == 0
+    ms, mc = (pq.read_table(tmp_path / f"creff-{w}" / "metrics.parquet").to_pylist() for w in ("server", "clients"))
+    assert [(r["accuracy"], r["global_accuracy"], r["loss"], r["global_loss"]) for r in ms] == \
+        [(r["accuracy"], r["global_accuracy"], r["loss"], r["global_loss"]) for r in mc]
+    assert ms[-1]["accuracy"] != ms[-1]["global_accuracy"]  # two models, not one twice
+    common = [*common, "algorithm=ccvr"]
     for where in ("server", "clients"):
         assert main([*common, f"eval.where={where}", f"run_name={where}"]) == 0
     s, c = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("server", "clients"))
@@ -76,7 +85,8 @@ def test_the_test_set_evaluated_by_a_client_actor_gives_the_servers_numbers_on_t
     ms, mc = (pq.read_table(tmp_path / n / "metrics.parquet").to_pylist() for n in ("server", "clients"))
     assert [(r["accuracy"], r["loss"], r["per_class_accuracy"]) for r in ms] == \
         [(r["accuracy"], r["loss"], r["per_class_accuracy"]) for r in mc]
-    assert "evaluation: on a client actor (eval.where=clients)" in (tmp_path / "clients" / "log.txt").read_text()
+    log = (tmp_path / "clients" / "log.txt").read_text()
+    assert "evaluation: on a client actor (eval.where=clients)" in log and "made on the server" not in log
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("server", "clients"))
     assert all(torch.equal(a[k], b[k]) for k in b)
 
