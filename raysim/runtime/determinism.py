@@ -5,7 +5,8 @@ bits from run to run: cuDNN picks convolution algorithms by timing them (`benchm
 some of them, and some cuBLAS reductions, add in an order that varies. Measured on an H200
 (issue 41): two runs of the same command wrote different `model.pt` bits; with the three
 settings below in every process they were identical, and client training took 17-30 %
-longer. On CPU torch's kernels are deterministic already; the settings cost nothing there.
+longer. On CPU torch's kernels are deterministic already; the settings cost nothing there, but
+one CPU hazard is not: see `warm_vml`.
 
 `warn_only=True`: an op torch has no deterministic CUDA kernel for warns, naming itself, in
 the actor's log instead of stopping the run mid-way (a plugin may use one): such a run's bits
@@ -37,9 +38,38 @@ def apply(on: bool) -> None:
     imported it already, and torch's switch itself is set directly."""
     import torch
 
+    warm_vml()
     _deterministic_algorithms(torch, bool(on))
     torch.backends.cudnn.deterministic = bool(on)
     torch.backends.cudnn.benchmark = not on
+
+
+# The float unary ops ATen hands to MKL's VML (aten/src/ATen/cpu/vml.h, IMPLEMENT_VML_MKL)
+VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2",
+           "sin", "sqrt", "tan", "tanh", "trunc")
+_vml_warm = False
+
+
+def warm_vml() -> None:
+    """Call each VML op once, on one element, in this thread, before any multi-threaded use.
+    oneMKL 2024.2 (torch's wheels up to at least 2.14) picks each VML function's kernel on its
+    first call; when that first call runs on two intra-op threads at once, one thread can run
+    a low-accuracy kernel for its whole chunk (pytorch/pytorch#188792, fix proposed in #188791).
+    Measured here: the server's first Yogi step (`v.sqrt()` on 12,800 entries, 2 threads) gave
+    the second half of the tensor ~1e-4 relative errors in 7 of 63 fresh runs (0 of 30 with
+    this warm-up), so a run and its resumed twin differed (the resume test in
+    tests/test_server_parts.py, which failed in CI).
+    One element runs inline on the calling thread; the kernels are then settled for the process."""
+    global _vml_warm
+    if _vml_warm:
+        return
+    import torch
+
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((1,), 0.5, dtype=dtype)
+        for op in VML_OPS:
+            getattr(torch, op)(x)
+    _vml_warm = True
 
 
 def _deterministic_algorithms(torch, on: bool) -> None:
