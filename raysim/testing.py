@@ -29,11 +29,12 @@ import torch
 
 from raysim.contract import ClientResult
 from raysim.attacks import Adversaries
+from raysim.compression.uplink import Uplink
 from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.world.availability import Availability
 from raysim.runtime.wire import pack, unpack
-from raysim.training import client_method, evaluate, new_client, partial_sum
+from raysim.training import client_method, evaluate, nbytes, new_client, partial_sum
 from raysim.vectorized import group_sum, unstack
 
 
@@ -62,6 +63,7 @@ class InProcessServer:
         self._client_side = dict(zip(("algorithm", "selection"), self._plugins()))  # as in a client actor
         self._client_model: Optional[torch.nn.Module] = None
         self.states: dict[int, dict] = {}  # client id -> its state (stateful plugins)
+        self.uplink = None  # compress.up (raysim/compression/uplink.py), made with the first client model
         self.calls: list[tuple] = []  # (round, method, client ids) of every run_clients call
 
     @classmethod
@@ -104,8 +106,12 @@ class InProcessServer:
         block = sum_block(self.cfg) if method == "client_update" else 0  # results summed per block, as actors do
         groups = [cids[i:i + vector] for i in range(0, len(cids), vector)] if vector else [[c] for c in cids]
         results = []
+        self._ready_client_side()
         for group in groups:
-            clients = [self._client(rnd, c, plugin.client_state) for c in group]
+            stateful = plugin.client_state or (self.uplink is not None and self.uplink.keeps_state(method, on))
+            clients = [self._client(rnd, c, stateful) for c in group]
+            uplink = self.uplink if self.uplink is not None and self.uplink.applies(method, on) else None
+            residuals = [uplink.hide(c) if uplink else None for c in clients]
             for client in clients:
                 self.adversaries.before(client, rnd, method)
             received = unpack(wire)  # this group's own copy, as a client actor's task gets
@@ -116,9 +122,11 @@ class InProcessServer:
             done, stacked = unstack(done, bool(block), any(self.adversaries.changes_model(c.cid, rnd, method)
                                                            for c in clients))
             mine = []
-            for client, result in zip(clients, done):
+            for client, result, residual in zip(clients, done, residuals):
                 result = self.adversaries.after(client, received, result, rnd, method)
-                if plugin.client_state:
+                if uplink is not None:
+                    result = uplink.send(client, received, result, rnd, residual)
+                if stateful:
                     self.states[client.cid] = unpack(pack(client.state))
                 elif client.state:
                     raise RuntimeError(f"{type(plugin).__name__} wrote client.state but does not declare "
@@ -129,13 +137,22 @@ class InProcessServer:
             results.extend(mine)
         if block and not vector:  # server.partial_sums: one sum per block of consecutive clients, as client actors make
             results = [partial_sum(results[i:i + block]) for i in range(0, len(results), block)]
-        return iter([unpack(pack(r)) for r in results])  # copies, as over the wire
+        results = [unpack(pack(r)) for r in results]  # copies, as over the wire
+        if self.uplink is not None and self.uplink.applies(method, on):
+            for r in results:
+                r.metrics["bytes_up"] = nbytes(r.update)
+                r.update = self.uplink.receive(r.update, payload, rnd, r.cid)
+        return iter(results)
 
-    def _client(self, rnd: int, cid: int, stateful: bool):
+    def _ready_client_side(self) -> None:
         if self._client_model is None:  # the client side's scratch model, as a client actor's
             torch.manual_seed(int(self.cfg.seed))
             side = self._client_side["algorithm"]
             self._client_model = self._model() if self._model is not None else side.build_model(self.input_shape)
+            self.uplink = Uplink.from_config(self.cfg, self._client_model)
+
+    def _client(self, rnd: int, cid: int, stateful: bool):
+        self._ready_client_side()
         x, y = self.data[cid]
         state = unpack(pack(self.states[cid])) if stateful and cid in self.states else {}
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, state, self._client_model,

@@ -441,7 +441,8 @@ def nbytes(obj) -> int:
         return sum(nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(nbytes(v) for v in obj)
-    return 0
+    size = getattr(obj, "nbytes", None)  # an encoded update (raysim/compression/uplink.py) says its own
+    return size if isinstance(size, int) else 0
 
 
 def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, state: dict,

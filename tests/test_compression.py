@@ -1,7 +1,12 @@
 """Issue 57's codecs by hand on small tensors: top-k keeps the k largest magnitudes, rand-k's
 two ends draw the same indices, QSGD is unbiased over many draws, the encoded byte count is
 the bit-packed message's length, and error feedback's residual carries exactly what was
-dropped."""
+dropped. Then `compress.up` on the platform: a client's update encoded and decoded around a
+model with a buffer, signSGD's majority vote by hand, the refused combinations in one line
+each, and real runs: the bytes counted are the messages', the clock's upload time follows
+them, and the models are bit-identical across actor counts and a resume (the residuals are
+checkpointed client state)."""
+import json
 import math
 
 import numpy as np
@@ -10,6 +15,7 @@ import torch
 
 from raysim.compression.codecs import QSGD, RandK, ScaledSign, TopK, pack_bits, unpack_bits
 from raysim.compression.error_feedback import encode_with_feedback
+from raysim.config import ConfigError, load_config
 
 
 def gen(seed=0):
@@ -87,3 +93,156 @@ def test_error_feedback_carries_exactly_what_each_message_dropped(codec):
         assert torch.equal(new, (v if residual is None else v + residual) - d)
         residual, decoded = new, decoded + d
     assert torch.allclose(decoded + residual, torch.stack(updates).sum(0), atol=1e-5)
+
+
+def _model_with_a_buffer():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("up", ["topk", "qsgd", "sign"])
+def test_a_clients_update_is_sent_encoded_and_the_server_gets_the_weights_plus_its_decoding(up):
+    """The update is trained - sent over the trainable parameters (sorted names, one vector);
+    the BatchNorm statistics travel raw; the bytes are the message's plus the raw entries'."""
+    from types import SimpleNamespace
+
+    from raysim.compression.uplink import Compressed, Uplink, codec_of
+    from raysim.contract import ClientResult
+    from raysim.training import nbytes
+
+    cfg = load_config(overrides=[f"compress.up={up}", "compress.ratio=0.25", "compress.bits=4", "compress.bucket=8"])
+    model = _model_with_a_buffer()
+    sent = {k: v.clone() for k, v in model.state_dict().items()}
+    trained = {k: v + torch.randn(v.shape) if v.is_floating_point() else v + 1 for k, v in sent.items()}
+    uplink = Uplink.from_config(cfg, model)
+    keys = sorted(k for k, _ in model.named_parameters())
+    assert uplink.keys == keys
+    client = SimpleNamespace(cid=3, state={})
+    result = uplink.send(client, {"weights": sent}, ClientResult(3, 10, dict(trained)), rnd=2)
+    assert isinstance(result.update, Compressed) and sorted(result.update.rest) == sorted(set(sent) - set(keys))
+    v = torch.cat([(trained[k] - sent[k]).reshape(-1) for k in keys])
+    assert result.update.message.n == v.numel() == 29
+    assert nbytes(result.update) == result.update.message.nbytes + sum(nbytes(sent[k]) for k in result.update.rest)
+    assert nbytes(result.update) == uplink.message_bytes(sent) < nbytes(sent)
+    got = uplink.receive(result.update, {"weights": sent}, 2, 3)
+    delta = codec_of(cfg).decode(result.update.message, uplink._generator(2, 3))
+    start = 0
+    for k in keys:
+        n = sent[k].numel()
+        assert torch.equal(got[k], sent[k] + delta[start:start + n].reshape(sent[k].shape))
+        start += n
+    assert all(torch.equal(got[k], trained[k]) for k in sent if k not in keys)  # buffers as trained
+    assert list(got) == list(sent)
+    if up == "topk":  # the 8 largest |update| entries come back exactly, the rest as the weights sent
+        changed = torch.cat([(got[k] != sent[k]).reshape(-1) for k in keys])
+        assert int(changed.sum()) == math.ceil(0.25 * 29)
+
+
+def test_error_feedback_keeps_its_residual_as_client_state_out_of_the_algorithms_sight():
+    from types import SimpleNamespace
+
+    from raysim.compression.uplink import RESIDUAL, Uplink
+    from raysim.contract import ClientResult
+
+    cfg = load_config(overrides=["compress.up=topk", "compress.ratio=0.1", "compress.error_feedback=true"])
+    model = _model_with_a_buffer()
+    sent = {k: v.clone() for k, v in model.state_dict().items()}
+    uplink = Uplink.from_config(cfg, model)
+    client = SimpleNamespace(cid=0, state={})
+    total = torch.zeros(29)
+    for rnd in (1, 2, 3):
+        trained = {k: v + 0.1 * rnd if v.is_floating_point() else v for k, v in sent.items()}
+        residual = uplink.hide(client)
+        assert RESIDUAL not in client.state and (residual is None) == (rnd == 1)
+        result = uplink.send(client, {"weights": sent}, ClientResult(0, 5, trained), rnd, residual)
+        got = uplink.receive(result.update, {"weights": sent}, rnd, 0)
+        total += torch.cat([(got[k] - sent[k]).reshape(-1) for k in uplink.keys])
+    sent_total = sum(0.1 * r for r in (1, 2, 3))
+    assert torch.allclose(total + client.state[RESIDUAL], torch.full((29,), sent_total), atol=1e-5)
+
+
+def test_majority_vote_steps_along_the_sign_of_the_clients_signs():
+    from raysim.aggregation.aggregators import MajorityVote
+
+    cfg = load_config(overrides=[])
+    vote = MajorityVote(cfg.server)
+    x = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    for delta in ([5.0, -1.0, 1.0, 0.0], [0.1, -2.0, -1.0, 0.0], [0.2, 3.0, -0.5, 0.0]):
+        vote.add({"w": x + torch.tensor(delta)}, weight=100.0)  # weights do not count
+    # signs: (+,+,+) -> +1; (-,-,+) -> -1; (+,-,-) -> -1; (0,0,0) -> 0
+    assert vote.result({"w": x})["w"].tolist() == [2.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["compress.up=gzip"], "compress.up must be one of none, topk, randk, qsgd, sign, signsgd, got 'gzip'"),
+    (["compress.up=topk", "compress.ratio=0"], "compress.ratio must be in (0, 1]"),
+    (["compress.up=qsgd", "compress.bits=1"], "compress.bits must be in [2, 32]"),
+    (["compress.error_feedback=true"], "compress.error_feedback needs a codec"),
+    (["compress.up=topk", "algorithm=fedconcat"], "compress.up=topk encodes the update of a client that returns its model"),
+    (["compress.up=topk", "server.partial_sums=2"], "server.partial_sums: compress.up=topk encodes each client's update alone"),
+    (["compress.up=topk", "privacy.secure_aggregation=secagg"], "compress.up=topk with privacy.secure_aggregation"),
+    (["compress.up=signsgd"], "compress.up=signsgd sends bare signs, which only server.aggregator=majority_vote reads"),
+])
+def test_a_combination_compression_cannot_take_is_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vectorised_groups_are_compressed_per_client_not_summed():
+    from raysim.config import sum_block
+
+    cfg = load_config(overrides=["local.vectorize=true", "compress.up=qsgd"])
+    assert sum_block(cfg) == 0 and sum_block(load_config(overrides=["local.vectorize=true"])) > 0
+
+
+TRACE = "gflops,down_mbps,up_mbps,latency_s\n1,8,8,0.1\n2,16,4,0.1\n"
+
+
+def test_a_compressed_run_counts_its_messages_bytes_and_the_clock_uploads_them(ray_local, tmp_path):
+    """Top-1 %: each client's bytes_up is its message's length (k indices at ceil(log2 n)
+    bits, bit-packed, and k float32 values; the MLP has no buffers), the rounds' bytes_up are
+    their sum, and each client's simulated seconds are those of the same uncompressed run less
+    (model bytes - message bytes) / its uplink (a trace: 1 or 0.5 MB/s)."""
+    import pyarrow.parquet as pq
+
+    from raysim.run import main
+
+    (tmp_path / "devices.csv").write_text(TRACE)
+    common = ["dataset=digits", "model=mlp", "num_clients=6", "participation=0.5", "rounds=2", "system.profile=trace",
+              f"system.trace={tmp_path / 'devices.csv'}", f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "run_name=plain"]) == 0
+    assert main([*common, "compress.up=topk", "compress.ratio=0.01", "run_name=topk"]) == 0
+    model = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)
+    model = model.get("global", model)
+    n = sum(v.numel() for v in model.values())
+    k = math.ceil(0.01 * n)
+    message = math.ceil(k * math.ceil(math.log2(n)) / 8) + 4 * k
+    plain = {(r["round"], r["cid"]): r for r in pq.read_table(tmp_path / "plain" / "clients.parquet").to_pylist()}
+    rows = pq.read_table(tmp_path / "topk" / "clients.parquet").to_pylist()
+    assert rows and all(r["bytes_up"] == message for r in rows)
+    up = {0: 1e6, 1: 0.5e6}
+    for r in rows:
+        assert r["sim_seconds"] == pytest.approx(plain[(r["round"], r["cid"])]["sim_seconds"] - (4 * n - message) / up[r["cid"] % 2])
+    metrics = pq.read_table(tmp_path / "topk" / "metrics.parquet").to_pylist()
+    for m in metrics:
+        assert m["round_bytes_up"] == message * sum(1 for r in rows if r["round"] == m["round"])
+    summary = json.loads((tmp_path / "topk" / "summary.json").read_text())
+    assert summary["status"] == "finished"
+
+
+def test_error_feedback_runs_are_bit_identical_across_actor_counts_and_a_resume(ray_local, tmp_path):
+    from raysim.run import main
+
+    common = ["dataset=digits", "model=mlp", "num_clients=8", "participation=0.5", "checkpoint_every=2",
+              "compress.up=randk", "compress.ratio=0.05", "compress.error_feedback=true",
+              f"output_dir={tmp_path}", "--quiet"]
+    assert main([*common, "rounds=4", "resources.num_actors=1", "run_name=one"]) == 0
+    assert main([*common, "rounds=4", "resources.num_actors=3", "run_name=three"]) == 0
+    assert main([*common, "rounds=2", "resources.num_actors=2", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=4", "--quiet"]) == 0
+    a, b, c = (torch.load(tmp_path / n / "model.pt", weights_only=True)["global"] for n in ("one", "three", "part"))
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert main([*common[:5], f"output_dir={tmp_path}", "--quiet", "rounds=4", "run_name=plain"]) == 0
+    d = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)["global"]
+    assert not all(torch.equal(a[k], d[k]) for k in a)  # compression changed the model

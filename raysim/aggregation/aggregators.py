@@ -13,6 +13,10 @@ client-id order; buffers take the plain weighted mean (raysim.aggregation.Server
 - `geometric_median`: the sample-weighted geometric median by smoothed Weiszfeld
   iterations (RFA, Pillutla et al. 2022: ν = 1e-6, at most 100 iterations, stopping when
   the point moves less than 1e-7 of its norm).
+- `majority_vote`: signSGD's server (Bernstein et al. 2018, "signSGD with Majority Vote"):
+  per coordinate the sign of the sum of the clients' update signs, unweighted (a tie: 0);
+  the server steps `server.lr` along it: x + lr x sign(sum_i sign(m_i - x)). With
+  `compress.up=signsgd` only the signs travel (raysim/compression/uplink.py).
 
 Reference: Flower's `FedMedian`, `FedTrimmedAvg` and `Krum` strategies
 (adap/flower, flwr/server/strategy/) and the papers' definitions. All but `mean` keep every
@@ -81,6 +85,13 @@ class TrimmedMean(Aggregator):
         n = len(self.models)
         cut = int(math.floor(float(self.cfg.trim) * n))
         return coordinatewise(self, like, lambda s: s[cut:n - cut].mean(dim=0))
+
+
+@AGGREGATORS.register("majority_vote")
+class MajorityVote(Aggregator):
+    def result(self, like):
+        return {k: (like[k].double() + torch.sign(torch.sign(self.stacked(k) - like[k].double()).sum(dim=0)))
+                .to(like[k].dtype) for k in like}
 
 
 def flat(models: list[dict], keys: list[str]) -> torch.Tensor:

@@ -184,7 +184,7 @@ class ServerConfig:
     """The server's rule for algorithms that fold client models through raysim's server
     parts (`Algorithm.server_parts`): raysim/aggregation/."""
 
-    aggregator: str = "mean"  # mean | median | trimmed_mean | krum | multi_krum | geometric_median
+    aggregator: str = "mean"  # mean | median | trimmed_mean | krum | multi_krum | geometric_median | majority_vote
     optimizer: str = "sgd"  # sgd | momentum | adam | yogi | adagrad (Reddi et al.'s FedOpt)
     lr: float = 1.0  # the server's step eta (sgd with 1: the aggregate itself, FedAvg)
     momentum: float = 0.9  # momentum's beta
@@ -231,6 +231,17 @@ class AttackConfig:
 
 
 @dataclass
+class CompressConfig:
+    """Compression of the update each client sends (raysim/compression/uplink.py)."""
+
+    up: str = "none"  # none | topk | randk | qsgd | sign (scaled sign) | signsgd (bare signs, server.aggregator=majority_vote)
+    ratio: float = 0.01  # topk / randk: the share of the update's entries sent
+    bits: int = 8  # qsgd: bits per entry (a sign bit and bits - 1 of level)
+    bucket: int = 512  # qsgd: entries that share one norm
+    error_feedback: bool = False  # a client adds what its last messages dropped to its next update (its state)
+
+
+@dataclass
 class Config:
     algorithm: str = "fedavg"
     selection: str = "random"
@@ -265,6 +276,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint

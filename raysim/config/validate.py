@@ -144,6 +144,7 @@ def validate(cfg: DictConfig) -> None:
     check_server(cfg, need)
     check_attack(cfg, need)
     check_privacy(cfg, need)
+    check_compress(cfg, need)
     sy = cfg.system
     need(0 <= sy.dropout < 1, f"system.dropout must be in [0, 1), got {sy.dropout}")
     need(0 <= sy.stragglers <= 1, f"system.stragglers must be in [0, 1], got {sy.stragglers}")
@@ -311,6 +312,8 @@ def why_not_summed(cfg: DictConfig) -> Optional[str]:
         return f"algorithm {cfg.algorithm!r} does not fold its clients' models by FedAvg's weighted mean; it needs each client's result"
     if cfg.privacy.mode == "central":
         return "privacy.mode=central clips each client's update, so it needs each one"
+    if cfg.compress.up != "none":
+        return f"compress.up={cfg.compress.up} encodes each client's update alone; a sum of several cannot be"
     return None
 
 
@@ -323,6 +326,31 @@ def sum_block(cfg: DictConfig) -> int:
     if cfg.local.vectorize and why_not_summed(cfg) is None:
         return int(cfg.local.vectorize_group)
     return 0
+
+
+def check_compress(cfg: DictConfig, need) -> None:
+    """`compress.*` (raysim/compression/uplink.py): a known codec, ranges, an algorithm whose
+    clients return their model, and the parts it cannot go with, refused in one line each."""
+    from raysim.compression.uplink import CODECS, majority_vote_refusal
+
+    c = cfg.compress
+    need(c.up in CODECS, f"compress.up must be one of {', '.join(CODECS)}, got {c.up!r}")
+    need(0 < c.ratio <= 1, f"compress.ratio must be in (0, 1] (the share of the update's entries sent), got {c.ratio}")
+    need(2 <= c.bits <= 32, f"compress.bits must be in [2, 32] (a sign bit and at least one of level), got {c.bits}")
+    need(c.bucket >= 1, f"compress.bucket must be >= 1, got {c.bucket}")
+    if c.up == "none":
+        need(not c.error_feedback, "compress.error_feedback needs a codec: set compress.up (topk, randk, qsgd, sign)")
+        return
+    algorithm = registry.ALGORITHMS.get(cfg.algorithm)
+    if not algorithm.returns_model:
+        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).returns_model]
+        raise ConfigError(f"compress.up={c.up} encodes the update of a client that returns its model, but algorithm "
+                          f"{cfg.algorithm!r} returns something else; algorithms it takes: {', '.join(takes)}")
+    if cfg.privacy.secure_aggregation != "none":
+        need(c.up == "qsgd", f"compress.up={c.up} with privacy.secure_aggregation: masks add up only over dense "
+                             "fixed-width integers; compress.up=qsgd is the codec that goes with it")
+    why = majority_vote_refusal(cfg)
+    need(why is None, why or "")
 
 
 def check_secure_aggregation(cfg: DictConfig, need) -> None:

@@ -214,10 +214,10 @@ class InFlight:
                 s.record.client(rnd, cid, "client_update", "dropped", reason="dropout")
                 return
             epochs = got[cid]
-        if version not in self.sizes:
-            self.sizes = {version: nbytes(payload)}  # counted once per model version
-        size = self.sizes[version]
-        took = s.clock.seconds(cid, epochs, size, size)
+        if version not in self.sizes:  # counted once per model version: (down, up)
+            self.sizes = {version: (nbytes(payload), s.upload_bytes(payload))}
+        down, up = self.sizes[version]
+        took = s.clock.seconds(cid, epochs, down, up)
         gone = s.clock.online.until(cid, s.clock.now)
         offline = gone is None or gone < s.clock.now + took
         self.payloads.setdefault(version, payload)
@@ -243,7 +243,8 @@ class InFlight:
         self.pending = []
         for (version, actor, rnd), flights in groups.items():
             results = s.dispatch.run(rnd, [f.cid for f in flights], {f.cid: f.epochs for f in flights},
-                                     self.payloads[version], "client_update", "algorithm", False, actor=actor)
+                                     self.payloads[version], "client_update", "algorithm",
+                                     s.carries_state("client_update", "algorithm"), actor=actor)
             task = _Task(results)
             for f in flights:
                 f.task = task

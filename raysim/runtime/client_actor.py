@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.attacks import Adversaries
+from raysim.compression.uplink import Uplink
 from raysim.contract import Client
 from raysim.config import augmentation_name
 from raysim.data.augment import make_transform
@@ -90,6 +91,7 @@ class ClientRunner:
         self.model = self.plugins["algorithm"].build_model(shape).to(self.device)
         self.transform = make_transform(augmentation_name(self.cfg.local.augment), norm)
         self.adversaries = Adversaries(self.cfg, int(self.cfg.num_clients))  # attack.* (raysim/attacks.py)
+        self.uplink = Uplink.from_config(self.cfg, self.model)  # compress.up (raysim/compression/uplink.py)
 
     def run(self, data: Optional[tuple], rnd: int, method: str, on: str, cids: list[int], epochs: list[int],
             group: int, blocks: Optional[list[int]], vectorized: bool, sums: bool, payload,
@@ -114,7 +116,8 @@ class ClientRunner:
             raise DataNotAttached("client actor has no data (restarted since its last call)")
         self.redo = redo
         plugin = self.plugins[on]
-        stateful = bool(plugin.client_state)
+        uplink = self.uplink if self.uplink is not None and Uplink.applies(method, on) else None
+        stateful = bool(plugin.client_state) or (uplink is not None and uplink.keeps_state(method, on))
         states = states if stateful and states is not None else [None] * len(cids)
         payload = unpack(payload)
         results, new_states = [], []
@@ -128,6 +131,7 @@ class ClientRunner:
                 self.adversaries.before(client, rnd, method)
             if vectorized and any(self.adversaries.attacking(c.cid, rnd, method) for c in part):
                 part.y = torch.cat([c.y for c in part])  # a label-flipping attacker's labels, in the group's too
+            residuals = [uplink.hide(c) if uplink else None for c in part]  # compress.error_feedback's
             before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
             t0 = time.perf_counter()
             if vectorized:
@@ -136,8 +140,10 @@ class ClientRunner:
                 done = [client_method(plugin, method)(part[0], payload)]
             done, stacked = unstack(done, sums, any(self.adversaries.changes_model(c.cid, rnd, method) for c in part))
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
-            for client, result, old in zip(part, done, before):
+            for client, result, old, residual in zip(part, done, before, residuals):
                 result = self.adversaries.after(client, payload, result, rnd, method)
+                if uplink is not None:
+                    result = uplink.send(client, payload, result, rnd, residual)
                 result.metrics.setdefault("seconds", seconds)
                 if stateful:
                     # a state the call did not touch is not sent back: the server keeps what it has

@@ -141,6 +141,7 @@ class Dispatch:
         self.record = None  # the run record (runtime/record.py): `client` rows and `log` lines; set by the server
         self.states = ClientStates(state_memory_bytes(cfg))  # client id -> its state (runtime/state_store.py)
         self.bytes = [0, 0]  # down, up: cumulative
+        self.uplink = None  # compress.up's server end (raysim/compression/uplink.py); set by the server
         self.seconds = {"broadcast": 0.0, "train": 0.0}  # this round's; the server resets it
         self._restarting: set[int] = set()  # actors that died and are being restarted
         self.restart_wait = float(cfg.resources.lost_actor_wait)
@@ -241,7 +242,9 @@ class Dispatch:
         for call in calls[:window]:
             start(call, later=False)  # an actor faults.* just killed loses its calls, which are redone
         self.seconds["broadcast"] += time.perf_counter() - t0
-        return self._collect(rnd, method, calls, epochs, start, window)
+        uplink = self.uplink if self.uplink is not None and self.uplink.applies(method, on) else None
+        decode = None if uplink is None else (lambda update, cid: uplink.receive(update, payload, rnd, cid))
+        return self._collect(rnd, method, calls, epochs, start, window, decode)
 
     def _pack_by_memory(self, rnd: int, cids: list[int], epochs: dict, payload: Any, on: str, stateful: bool) -> None:
         """`resources.num_gpus_per_actor=auto`: one client update on the probe actor (a whole
@@ -282,9 +285,11 @@ class Dispatch:
         got = self.actors[a].run.options(num_returns=n_returns).remote(data, *args, redo=redo)
         return [got] if n_returns == 1 else list(got)
 
-    def _collect(self, rnd: int, method: str, calls: list, epochs: dict, start, window: int) -> Iterator[ClientResult]:
+    def _collect(self, rnd: int, method: str, calls: list, epochs: dict, start, window: int,
+                 decode=None) -> Iterator[ClientResult]:
         """The calls' results in order; the calls from `window` on are started (`start`) one
-        as each earlier one is taken, and a taken call lets its objects go."""
+        as each earlier one is taken, and a taken call lets its objects go. `decode(update,
+        cid)`: a compressed update's model, counted as the bytes that came."""
         for i, call in enumerate(calls):
             if i and i + window - 1 < len(calls):
                 start(calls[i + window - 1])
@@ -312,6 +317,9 @@ class Dispatch:
                     next_group += 1
                 result = unpack(results.pop(0))
                 self.bytes[1] += nbytes(result.update)
+                if decode is not None:
+                    result.metrics["bytes_up"] = nbytes(result.update)
+                    result.update = decode(result.update, result.cid)
                 for cid, n, metrics, changed in result.clients or [(chunk[j], None, None, result.state_changed)]:
                     if new_states is not None and changed:
                         self.states.put(cid, new_states[j])

@@ -63,6 +63,7 @@ class RunRecord:
             "num_samples": num_samples, "epochs": epochs, "straggler": cid in self.stragglers,
             "loss": m.get("loss"), "seconds": m.get("seconds"), "accuracy": accuracy,
             "attacker": self.attacking(cid, rnd, method), "redone": redone,
+            **({"bytes_up": m["bytes_up"]} if "bytes_up" in m else {}),  # compress.up: its message's bytes
             **({"sim_seconds": self.sim_seconds.get(cid)} if self.sim_seconds and method == "client_update" else {})})
 
     def new_round(self) -> None:

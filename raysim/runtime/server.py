@@ -30,6 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from raysim.attacks import Adversaries
+from raysim.compression.uplink import Uplink
 from raysim.contract import ClientResult
 from raysim.config import ConfigError, clients_per_round, resolve, run_record
 from raysim.data import store
@@ -222,6 +223,10 @@ class FederatedServer:
         self.algorithm = ALGORITHMS.get(self.cfg.algorithm)(self.cfg, self.num_classes, self.input_shape)
         self.selection = SELECTIONS.get(self.cfg.selection)(self.cfg, self.num_clients, self.num_classes)
         self.plugins = {"algorithm": self.algorithm, "selection": self.selection}
+        rng = torch.get_rng_state()  # compress.up: its server end reads the trainable parameters' names
+        self.uplink = Uplink.from_config(self.cfg, self.algorithm.build_model(self.input_shape))
+        torch.set_rng_state(rng)
+        self.dispatch.uplink = self.uplink
         self._selected: Optional[list[int]] = None  # the last cohort select_clients returned
         self._warned: set[str] = set()  # the kinds of round warnings said so far (_round_warnings)
         self._select_seconds = 0.0  # this round's, see step()
@@ -283,14 +288,26 @@ class FederatedServer:
             for c in dropped:
                 self.record.client(rnd, c, method, "dropped", reason="dropout")
         if method == "client_update" and self.clock is not None:  # simulated time: world/clock.py
-            cids, lost, took = self.clock.call(cids, epochs, nbytes(payload))
+            cids, lost, took = self.clock.call(cids, epochs, nbytes(payload), self.upload_bytes(payload))
             self.record.sim_seconds.update(took)
             for c, why in lost.items():
                 self.record.client(rnd, c, method, "dropped", reason=why, epochs=epochs[c])
-        results = self.dispatch.run(rnd, cids, epochs, payload, method, on, bool(self.plugins[on].client_state))
+        results = self.dispatch.run(rnd, cids, epochs, payload, method, on, self.carries_state(method, on))
         if self.secagg is not None and method == "client_update" and on == "algorithm":  # the server sees the sum
             return self.secagg.round(rnd, cohort, results)
         return results
+
+    def carries_state(self, method: str, on: str) -> bool:
+        """Whether these calls send and take back client state: the plugin's own, or
+        `compress.error_feedback`'s residuals."""
+        return bool(self.plugins[on].client_state) or (self.uplink is not None and self.uplink.keeps_state(method, on))
+
+    def upload_bytes(self, payload: Any) -> int:
+        """What a client sends back for `payload`, for the clock: its encoded update's bytes
+        with `compress.up`, else the payload's size (an update the model's size)."""
+        if self.uplink is not None and isinstance(payload, dict) and "weights" in payload:
+            return self.uplink.message_bytes(payload["weights"])
+        return nbytes(payload)
 
     def arrivals(self, rnd: int, n: int, concurrency: int, payload: Callable[[], tuple]) -> Iterator[Arrival]:
         return self.flight.arrivals(rnd, n, concurrency, payload)

@@ -11,7 +11,7 @@ client c takes
 
 simulated seconds: `bytes_down` is what the server sends it (counted as `bytes_down` is),
 `bytes_up` the same size (an update is the model's size; what clients really send is in
-`bytes_up`), `flops_per_sample` the model's forward and backward FLOPs on one sample,
+`bytes_up`) or, with `compress.up`, the encoded update's size, `flops_per_sample` the model's forward and backward FLOPs on one sample,
 counted once by torch's `FlopCounterMode` (counted, not timed: the same on every machine
 and every run). With `local.steps`, samples x epochs is steps x batch size.
 
@@ -122,12 +122,15 @@ class Clock:
         c = int(np.argmin(took))
         return c, float(took[c])
 
-    def call(self, cids: list[int], epochs: dict, payload_bytes: int) -> tuple[list[int], dict, dict]:
+    def call(self, cids: list[int], epochs: dict, payload_bytes: int,
+             upload_bytes: Optional[int] = None) -> tuple[list[int], dict, dict]:
         """A training call of `cids` starting now: (those whose update is back in time, {the
         others: why, `deadline` or `offline`}, every client's seconds). The call ends when its
         last kept client is back, when its last client goes offline, or at the deadline when
-        a client would be later; the clock moves there."""
-        took = {c: self.seconds(c, epochs[c], payload_bytes, payload_bytes) for c in cids}
+        a client would be later; the clock moves there. `upload_bytes`: what each client
+        sends back (`compress.up`'s message), else the payload's size."""
+        up = payload_bytes if upload_bytes is None else upload_bytes
+        took = {c: self.seconds(c, epochs[c], payload_bytes, up) for c in cids}
         kept, lost, ends = [], {}, [0.0]
         for c in cids:
             gone = self.online.until(c, self.now)  # None: not online now (a strategy chose it anyway)
