@@ -346,9 +346,9 @@ def check_compress(cfg: DictConfig, need) -> None:
         takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).returns_model]
         raise ConfigError(f"compress.up={c.up} encodes the update of a client that returns its model, but algorithm "
                           f"{cfg.algorithm!r} returns something else; algorithms it takes: {', '.join(takes)}")
-    if cfg.privacy.secure_aggregation != "none":
-        need(c.up == "qsgd", f"compress.up={c.up} with privacy.secure_aggregation: masks add up only over dense "
-                             "fixed-width integers; compress.up=qsgd is the codec that goes with it")
+    need(cfg.privacy.secure_aggregation == "none",
+         f"compress.up={c.up} with privacy.secure_aggregation: masks cancel only in a sum of dense integers on one "
+         "scale, which sparse codecs' indices and per-client norms or scales break; use one or the other")
     why = majority_vote_refusal(cfg)
     need(why is None, why or "")
 
