@@ -257,6 +257,8 @@ def test_every_shipped_sweep_file_plans_points_that_pass_the_checks(tmp_path):
     assert files
     for f in files:
         name, configs, fixed, grid = parse([], f)
+        if "seed" in grid:  # a seed never changes what the checks see: one seed's points (a third of the time)
+            grid["seed"] = grid["seed"][:1]
         skip = read_skip(f, grid)
         points = plan(configs, fixed, grid, tmp_path / name, skip)
         ran = [c for c in itertools.product(*grid.values()) if not skipped(dict(zip(grid, c)), skip)]
