@@ -5,7 +5,10 @@ residual what that message dropped:
     m = C(v + e),   e <- (v + e) - D(m)
 
 so over rounds the decoded messages and the last residual add up to the updates sent: nothing
-is lost, only delayed. The residual is client state (it travels and is checkpointed as the
+is lost, only delayed. Reference read: the authors' code of EF-SGD (epfml/error-feedback-SGD,
+`ErrorFeedbackSGD`: the step plus the memory is compressed, the memory keeps the difference),
+which this follows with a client's update in place of a gradient step. In FL a client's
+residual waits for its next selection: measured in docs/guide.md, "Communication". The residual is client state (it travels and is checkpointed as the
 platform's client state does)."""
 from __future__ import annotations
 
