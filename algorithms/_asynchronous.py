@@ -61,6 +61,7 @@ class Asynchronous(FedAvg):
     asynchronous = True  # the server gives the run a clock (world/clock.py) even without system.profile
     server_parts = ()  # subclasses say which server parts their step takes
     returns_model = False  # an arrival is applied alone: no cohort for a model attack to hide in
+    sends_model = True  # ... but it is FedAvg's model: compress.up encodes its update
     trains_privately = False
 
     @classmethod

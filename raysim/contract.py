@@ -157,6 +157,14 @@ class Algorithm:
     returns_model: ClassVar[bool] = False
     """True: `client_update` returns the client's whole model (a state dict) for the
     payload's `weights`, so model attacks (`attack.kind`, raysim/attacks.py) apply."""
+    sends_model: ClassVar[Optional[bool]] = None
+    """Whether `client_update` returns the client's whole model for the payload's `weights`,
+    so `compress.up` can encode its update (raysim/compression/uplink.py). None: as
+    `returns_model`; FedBuff and FedAsync send their model but refuse model attacks (True)."""
+
+    @classmethod
+    def compressible(cls) -> bool:
+        return cls.returns_model if cls.sends_model is None else bool(cls.sends_model)
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg

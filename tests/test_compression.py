@@ -182,6 +182,8 @@ def test_majority_vote_steps_along_the_sign_of_the_clients_signs():
     (["compress.up=topk", "server.partial_sums=2"], "server.partial_sums: compress.up=topk encodes each client's update alone"),
     (["compress.up=topk", "privacy.secure_aggregation=secagg"], "compress.up=topk with privacy.secure_aggregation"),
     (["compress.up=signsgd"], "compress.up=signsgd sends bare signs, which only server.aggregator=majority_vote reads"),
+    (["compress.up=topk", "compress.error_feedback=true", "algorithm=fedasync"],
+     "compress.error_feedback with algorithm=fedasync: a client in flight at a checkpoint"),
 ])
 def test_a_combination_compression_cannot_take_is_refused_in_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
@@ -246,3 +248,32 @@ def test_error_feedback_runs_are_bit_identical_across_actor_counts_and_a_resume(
     assert main([*common[:5], f"output_dir={tmp_path}", "--quiet", "rounds=4", "run_name=plain"]) == 0
     d = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)["global"]
     assert not all(torch.equal(a[k], d[k]) for k in a)  # compression changed the model
+
+
+def test_fedbuff_arrivals_upload_the_encoded_bytes_and_resume_bit_for_bit(ray_local, tmp_path):
+    """FedBuff sends FedAvg's model (it refuses model attacks, not compression): with top-5 %
+    each arrival's simulated seconds are the plain run's for that client less (model bytes -
+    message bytes) / the uniform profile's 5 Mbit/s uplink, and a resumed run (its clients in
+    flight trained again) is bit-identical to the whole one."""
+    import pyarrow.parquet as pq
+
+    from raysim.run import main
+
+    common = ["dataset=digits", "model=mlp", "num_clients=10", "algorithm=fedbuff", "fedbuff.concurrency=4",
+              "fedbuff.buffer=3", "checkpoint_every=2", f"output_dir={tmp_path}", "--quiet"]
+    ef = ["compress.up=topk", "compress.ratio=0.05"]
+    assert main([*common, "rounds=3", "run_name=plain"]) == 0
+    assert main([*common, *ef, "rounds=4", "resources.num_actors=1", "run_name=one"]) == 0
+    plain = {r["cid"]: r["sim_seconds"] for r in pq.read_table(tmp_path / "plain" / "clients.parquet").to_pylist()}
+    rows = pq.read_table(tmp_path / "one" / "clients.parquet").to_pylist()
+    model = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)["global"]
+    n = sum(v.numel() for v in model.values())
+    k = math.ceil(0.05 * n)
+    message = math.ceil(k * math.ceil(math.log2(n)) / 8) + 4 * k
+    assert rows and all(r["bytes_up"] == message for r in rows)
+    both = [r for r in rows if r["cid"] in plain]
+    assert both and all(r["sim_seconds"] == pytest.approx(plain[r["cid"]] - (4 * n - message) / 625_000) for r in both)
+    assert main([*common, *ef, "rounds=2", "resources.num_actors=2", "run_name=part"]) == 0
+    assert main([f"resume={tmp_path / 'part'}", "rounds=4", "--quiet"]) == 0
+    a, c = (torch.load(tmp_path / r / "model.pt", weights_only=True)["global"] for r in ("one", "part"))
+    assert all(torch.equal(a[key], c[key]) for key in a)

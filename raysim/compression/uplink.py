@@ -1,8 +1,8 @@
 """`compress.up`: the update a client sends, encoded where it trained and decoded by the
 server before anything reads it (issue 57).
 
-A client of a FedAvg-family algorithm (`Algorithm.returns_model`: its `client_update` returns
-its whole model for the payload's `weights`) trains as always; then the runtime takes its
+A client of a FedAvg-family algorithm (`Algorithm.compressible()`: its `client_update`
+returns its whole model for the payload's `weights`; FedBuff and FedAsync included) trains as always; then the runtime takes its
 update, the difference between its trainable parameters and the weights it received, as one
 flat float32 vector (the parameters in sorted-name order), and sends the codec's message of
 it instead (`Compressed`). Non-trainable entries (BatchNorm statistics, counters) travel as

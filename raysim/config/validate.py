@@ -342,13 +342,16 @@ def check_compress(cfg: DictConfig, need) -> None:
         need(not c.error_feedback, "compress.error_feedback needs a codec: set compress.up (topk, randk, qsgd, sign)")
         return
     algorithm = registry.ALGORITHMS.get(cfg.algorithm)
-    if not algorithm.returns_model:
-        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).returns_model]
+    if not algorithm.compressible():
+        takes = [n for n in registry.ALGORITHMS.names() if registry.ALGORITHMS.get(n).compressible()]
         raise ConfigError(f"compress.up={c.up} encodes the update of a client that returns its model, but algorithm "
                           f"{cfg.algorithm!r} returns something else; algorithms it takes: {', '.join(takes)}")
     need(cfg.privacy.secure_aggregation == "none",
          f"compress.up={c.up} with privacy.secure_aggregation: masks cancel only in a sum of dense integers on one "
          "scale, which sparse codecs' indices and per-client norms or scales break; use one or the other")
+    need(not (c.error_feedback and getattr(algorithm, "asynchronous", False)),
+         f"compress.error_feedback with algorithm={cfg.algorithm}: a client in flight at a checkpoint has already left "
+         "its new residual, so a resumed run would differ; error feedback is for synchronous rounds")
     why = majority_vote_refusal(cfg)
     need(why is None, why or "")
 
