@@ -85,17 +85,17 @@ def cluster(tmp_path_factory):
             yield info
         finally:
             down = ray_cli("down", "-y", str(path), env=env, timeout=300)
-            deadline = time.time() + 30  # agents exit shortly after their raylet
+            deadline = time.time() + 30  # a raylet may take a moment to exit after `ray down`
             while True:
                 left = {h.name: _ray_processes(h) for h in hosts.hosts}
-                if not any(left.values()) or time.time() > deadline:
+                stopped = {name: [p for p in procs if "raylet" in p or "gcs_server" in p] for name, procs in left.items()}
+                if not any(stopped.values()) or time.time() > deadline:
                     break
                 time.sleep(1)
         assert down.returncode == 0, (down.stdout + down.stderr)[-2000:]
         # `ray down` stopped Ray on every host: no raylet, no GCS. (A worker's dashboard and
         # runtime-env agents were seen to outlive it here, reparented to the host's sshd:
-        # issue 53's notes; the hosts' removal kills them.)
-        stopped = {name: [p for p in procs if "raylet" in p or "gcs_server" in p] for name, procs in left.items()}
+        # issue 53's notes; the hosts' removal kills them, so the wait is for these two only.)
         assert not any(stopped.values()), stopped
 
 
