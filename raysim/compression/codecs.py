@@ -18,8 +18,9 @@ whose length is the bytes that travel, and decode it back (issue 57).
   low bits, is not applied; the bytes say what this encoding costs).
 - `ScaledSign` (Karimireddy et al. 2019, EF-SignSGD): sign bits and one float32, the mean
   magnitude ||v||_1 / n; decoded as that times the signs (the authors' `scaled_sign` in
-  epfml/error-feedback-SGD; a zero entry, whose sign is 0 there, travels as + here: one bit). `signs` gives the bare signs
-  for signSGD's majority vote (Bernstein et al. 2018), which the server takes.
+  epfml/error-feedback-SGD; a zero entry, whose sign is 0 there, travels as + here: one
+  bit). `signs` gives the bare signs for signSGD's majority vote (Bernstein et al. 2018),
+  which the server takes.
 
 Randomness (RandK, QSGD) comes only from the generator passed in, so a client's message
 depends on (seed, round, client), never on where it was encoded. Reference reading: the

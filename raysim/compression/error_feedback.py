@@ -8,8 +8,9 @@ so over rounds the decoded messages and the last residual add up to the updates 
 is lost, only delayed. Reference read: the authors' code of EF-SGD (epfml/error-feedback-SGD,
 `ErrorFeedbackSGD`: the step plus the memory is compressed, the memory keeps the difference),
 which this follows with a client's update in place of a gradient step. In FL a client's
-residual waits for its next selection: measured in docs/guide.md, "Communication". The residual is client state (it travels and is checkpointed as the
-platform's client state does)."""
+residual waits for its next selection: measured in docs/guide.md, "Communication". The
+residual is client state (it travels and is checkpointed as the platform's client state
+does)."""
 from __future__ import annotations
 
 from typing import Optional

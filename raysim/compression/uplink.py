@@ -2,8 +2,8 @@
 server before anything reads it (issue 57).
 
 A client of a FedAvg-family algorithm (`Algorithm.compressible()`: its `client_update`
-returns its whole model for the payload's `weights`; FedBuff and FedAsync included) trains as always; then the runtime takes its
-update, the difference between its trainable parameters and the weights it received, as one
+returns its whole model for the payload's `weights`; FedBuff and FedAsync included) trains
+as always; then the runtime takes its update, the difference between its trainable parameters and the weights it received, as one
 flat float32 vector (the parameters in sorted-name order), and sends the codec's message of
 it instead (`Compressed`). Non-trainable entries (BatchNorm statistics, counters) travel as
 they are and are counted as such. The server decodes the vector, adds it to the weights it
@@ -87,6 +87,7 @@ class Uplink:
         self.keys = sorted(trainable)
         self.feedback = bool(cfg.compress.error_feedback)
         self.seed = int(cfg.seed)
+        self._message_bytes: dict[int, int] = {}  # entries encoded -> the message's bytes (fixed-length codecs)
 
     @classmethod
     def from_config(cls, cfg, model: torch.nn.Module) -> Optional["Uplink"]:
@@ -154,14 +155,8 @@ class Uplink:
 
         keys = self._compressed_keys(weights)
         n = sum(weights[k].numel() for k in keys)
-        m = self.codec.encode(torch.zeros(n), torch.Generator().manual_seed(0))
-        return m.nbytes + nbytes({k: t for k, t in weights.items() if k not in keys})
+        if n not in self._message_bytes:  # encoded once: the clock asks every round
+            self._message_bytes[n] = self.codec.encode(torch.zeros(n), torch.Generator().manual_seed(0)).nbytes
+        return self._message_bytes[n] + nbytes({k: t for k, t in weights.items() if k not in keys})
 
-
-def majority_vote_refusal(cfg) -> Optional[str]:
-    """Why `compress.up` and `server.aggregator` do not go together, or None."""
-    if cfg.compress.up == "signsgd" and cfg.server.aggregator != "majority_vote":
-        return ("compress.up=signsgd sends bare signs, which only server.aggregator=majority_vote reads "
-                "(Bernstein et al. 2018); compress.up=sign sends scaled signs any aggregator averages")
-    return None
 

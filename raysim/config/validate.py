@@ -331,7 +331,7 @@ def sum_block(cfg: DictConfig) -> int:
 def check_compress(cfg: DictConfig, need) -> None:
     """`compress.*` (raysim/compression/uplink.py): a known codec, ranges, an algorithm whose
     clients return their model, and the parts it cannot go with, refused in one line each."""
-    from raysim.compression.uplink import CODECS, majority_vote_refusal
+    from raysim.compression.uplink import CODECS
 
     c = cfg.compress
     need(c.up in CODECS, f"compress.up must be one of {', '.join(CODECS)}, got {c.up!r}")
@@ -352,8 +352,9 @@ def check_compress(cfg: DictConfig, need) -> None:
     need(not (c.error_feedback and getattr(algorithm, "asynchronous", False)),
          f"compress.error_feedback with algorithm={cfg.algorithm}: a client in flight at a checkpoint has already left "
          "its new residual, so a resumed run would differ; error feedback is for synchronous rounds")
-    why = majority_vote_refusal(cfg)
-    need(why is None, why or "")
+    need(c.up != "signsgd" or cfg.server.aggregator == "majority_vote",
+         "compress.up=signsgd sends bare signs, which only server.aggregator=majority_vote reads (Bernstein et al. "
+         "2018); compress.up=sign sends scaled signs any aggregator averages")
 
 
 def check_secure_aggregation(cfg: DictConfig, need) -> None:

@@ -316,9 +316,10 @@ class Dispatch:
                     self.seconds["train"] += time.perf_counter() - t0
                     next_group += 1
                 result = unpack(results.pop(0))
-                self.bytes[1] += nbytes(result.update)
+                came = nbytes(result.update)
+                self.bytes[1] += came
                 if decode is not None:
-                    result.metrics["bytes_up"] = nbytes(result.update)
+                    result.metrics["bytes_up"] = came
                     result.update = decode(result.update, result.cid)
                 for cid, n, metrics, changed in result.clients or [(chunk[j], None, None, result.state_changed)]:
                     if new_states is not None and changed:
