@@ -55,19 +55,15 @@ def _kill_marked(marker: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    yield from _two_nodes({})
+    """The module's cluster: 2 CPUs and 1 logical GPU (Ray's resource; no device) a node. A run
+    that asks for no GPU (the default) is placed as on nodes without one."""
+    yield from _two_nodes({}, ["--num-gpus=1"])
 
 
 @pytest.fixture()
 def two_nodes_one_to_lose():
     """A fresh cluster whose worker node's processes have RAYSIM_TEST_LOSE_HOST=1."""
     yield from _two_nodes({"RAYSIM_TEST_LOSE_HOST": "1"})
-
-
-@pytest.fixture()
-def two_nodes_with_gpus():
-    """A fresh cluster whose nodes have 2 logical GPUs each (Ray's resources; no device)."""
-    yield from _two_nodes({}, ["--num-gpus=2"])
 
 
 @pytest.fixture()
@@ -222,33 +218,33 @@ def test_a_host_lost_mid_round_changes_no_result(ray_local, two_nodes_one_to_los
 
 
 @pytest.mark.slow
-def test_logical_gpus_place_eight_quarter_gpu_actors_on_each_host(ray_local, two_nodes_with_gpus, tmp_path):
-    """Hosts started with --num-gpus=2 (logical: this machine has no GPU) and actors of a
-    quarter GPU each: 16 actors, 8 on each host, which summary.json records; the actors see
+def test_logical_gpus_place_four_quarter_gpu_actors_on_each_host(ray_local, two_nodes, tmp_path):
+    """Hosts started with --num-gpus=1 (logical: this machine has no GPU) and actors of a
+    quarter GPU each: 8 actors, 4 on each host, which summary.json records; the actors see
     no CUDA device, so they train on the CPU (`client_devices`), and the model is the
     one-node run's. `num_gpus_per_actor=auto` starts its probe, which measures nothing
-    without CUDA: one actor per GPU, 2 on each host, the same model. What only a real GPU
+    without CUDA: one actor per GPU, 1 on each host, the same model. What only a real GPU
     cluster shows: docs/cluster.md."""
-    cluster = two_nodes_with_gpus
-    run = ["dataset=digits", "model=mclr", "num_clients=32", "participation=0.5", "rounds=2", "local.epochs=1",
+    cluster = two_nodes
+    run = ["dataset=digits", "model=mclr", "num_clients=16", "participation=0.5", "rounds=2", "local.epochs=1",
            "resources.num_gpus_per_actor=0.25", "resources.num_cpus_per_actor=0.25", f"output_dir={tmp_path}", "--quiet"]
     r = subprocess.run([sys.executable, "-m", "raysim.run", *run, f"ray.address={cluster['address']}", "run_name=gpus"],
                        env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "gpus" / "summary.json").read_text())
-    assert sorted(summary["client_actor_nodes"].values()) == [8, 8], summary["client_actor_nodes"]
+    assert sorted(summary["client_actor_nodes"].values()) == [4, 4], summary["client_actor_nodes"]
     assert summary["client_devices"] == ["cpu"]
-    assert "16 client actors (0.25 CPU + 0.25 GPU each)" in (tmp_path / "gpus" / "log.txt").read_text()
-    # num_gpus_per_actor=auto: the probe (a whole GPU) sees no CUDA device, so one actor per GPU: 4
+    assert "8 client actors (0.25 CPU + 0.25 GPU each)" in (tmp_path / "gpus" / "log.txt").read_text()
+    # num_gpus_per_actor=auto: the probe (a whole GPU) sees no CUDA device, so one actor per GPU: 2
     auto = [a.replace("=0.25", "=auto") if a.startswith("resources.num_gpus") else a for a in run]
     r = subprocess.run([sys.executable, "-m", "raysim.run", *auto, f"ray.address={cluster['address']}", "run_name=auto"],
                        env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (tmp_path / "auto" / "log.txt").read_text()
     assert "1 client actor, resources.num_gpus_per_actor=auto's probe" in log and "no CUDA device" in log
-    assert "4 client actors (0.25 CPU + 1 GPU each) replace the probe" in log
+    assert "2 client actors (0.25 CPU + 1 GPU each) replace the probe" in log
     summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
-    assert summary["gpu_packing"]["actors"] == 4 and sorted(summary["client_actor_nodes"].values()) == [2, 2]
+    assert summary["gpu_packing"]["actors"] == 2 and sorted(summary["client_actor_nodes"].values()) == [1, 1]
     one = [a for a in run if not a.startswith("resources.")]
     assert main([*one, "resources.num_actors=2", "run_name=one"]) == 0
     for name in ("gpus", "auto"):
