@@ -212,35 +212,36 @@ def test_fedasync_trains_on_the_papers_regularised_objective():
         assert not torch.allclose(plain[k], prox[k], atol=1e-4)
 
 
-def _cli(ray, args, seconds=240):
-    """The command in a process of its own on the session's Ray (a run that hangs fails the
-    test instead of the suite): (exit status, stderr). The session's warm actors (kept by
-    earlier tests' runs) go first, so that its CPUs are free for the command's."""
-    import subprocess
-    import sys
+def _cli(capfd, args, seconds=240):
+    """The command in this process on the session's Ray, with its warm workers: (exit
+    status, stderr). A run that hangs (these runs used to loop for ever) fails the test
+    after `seconds` instead of hanging the suite: the alarm's exception ends the run, whose
+    processes, as any failed run's, are not kept."""
+    import signal
 
-    from raysim.runtime import pool
+    def late(*_):
+        raise TimeoutError(f"the run did not end in {seconds} s")
 
-    pool.release()
-
+    capfd.readouterr()
+    before = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        r = subprocess.run([sys.executable, "-m", "raysim.run", *args, "--quiet",
-                            f"ray.address={ray.get_runtime_context().gcs_address}"],
-                           capture_output=True, text=True, timeout=seconds)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the run did not end in {seconds} s")
-    return r.returncode, r.stderr
+        code = main([*args, "--quiet"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    return code, capfd.readouterr().err
 
 
 @pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
-def test_async_runs_with_dropouts_end_and_log_each_dropout_once(ray_local, tmp_path, algorithm):
+def test_async_runs_with_dropouts_end_and_log_each_dropout_once(ray_local, tmp_path, capfd, algorithm):
     """4 clients, 3 training at once, half of them dropping out each round (fixed per seed,
     round and client): the run ends (it used to pick the same dropped clients for ever), a
     dropped client is recorded once a round, and every round takes its full count of
     updates."""
     n = 2
     per = "fedbuff.buffer" if algorithm == "fedbuff" else "fedasync.updates_per_round"
-    code, err = _cli(ray_local, ["dataset=digits", "model=mclr", "num_clients=4", "rounds=6", f"algorithm={algorithm}",
+    code, err = _cli(capfd, ["dataset=digits", "model=mclr", "num_clients=4", "rounds=6", f"algorithm={algorithm}",
                                  f"{algorithm}.concurrency=3", f"{per}={n}", "system.dropout=0.5",
                                  f"output_dir={tmp_path}", "run_name=r"])
     assert code == 0, err
@@ -251,7 +252,7 @@ def test_async_runs_with_dropouts_end_and_log_each_dropout_once(ray_local, tmp_p
     assert [ok.count(r) for r in range(1, 7)] == [n] * 6
 
 
-def test_an_async_run_that_cannot_go_on_says_so(ray_local, tmp_path):
+def test_an_async_run_that_cannot_go_on_says_so(ray_local, tmp_path, capfd):
     """Every client drops out (dropout 0.99, 3 clients; seed 0 leaves none in round 1), or
     every client goes offline before its update is back (online 1 ms a day): the run stops
     with one line, exit 3, its summary saying `stalled`."""
@@ -259,7 +260,7 @@ def test_an_async_run_that_cannot_go_on_says_so(ray_local, tmp_path):
     for name, more in (("drop", ["system.dropout=0.99"]),
                        ("offline", ["system.profile=uniform", "system.availability=trace",
                                     f"system.availability_trace={tmp_path / 'on.csv'}"])):
-        code, err = _cli(ray_local, ["dataset=digits", "model=mclr", "num_clients=3", "rounds=3", "algorithm=fedbuff",
+        code, err = _cli(capfd, ["dataset=digits", "model=mclr", "num_clients=3", "rounds=3", "algorithm=fedbuff",
                                      "fedbuff.concurrency=2", "fedbuff.buffer=2", *more, f"output_dir={tmp_path}",
                                      f"run_name={name}"])
         assert code == 3, (name, err)
