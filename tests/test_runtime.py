@@ -69,6 +69,19 @@ def test_reused_workers_give_the_same_model_as_fresh_ones(ray_local, tmp_path, a
     assert s_fresh["final_accuracy"] == s_warm["final_accuracy"]
 
 
+def test_a_run_of_fewer_actors_leaves_the_others_idle_for_the_next_run_of_more(ray_local, tmp_path):
+    """3 actors, then 1 (the other 2 stay idle: they hold nothing it needs), then 3 again:
+    all 3 reused, none started; actors reserving something else are stopped, not kept."""
+    d3, _ = run(tmp_path, "three", "resources.num_actors=3", "rounds=1")
+    d1, _ = run(tmp_path, "one", "resources.num_actors=1", "rounds=1")
+    again, _ = run(tmp_path, "again", "resources.num_actors=3", "rounds=1")
+    assert "1 client actor" in (d1 / "log.txt").read_text()
+    assert "3 client actors (1 CPU each) for 12 clients (resources.num_actors=3); 3 of them reused" in \
+        (again / "log.txt").read_text()
+    other, _ = run(tmp_path, "other", "resources.num_actors=2", "resources.num_cpus_per_actor=2", "rounds=1")
+    assert "reused" not in (other / "log.txt").read_text().split("client actors")[1].splitlines()[0]
+
+
 def test_one_actor_per_client_gives_the_same_model(ray_local, tmp_path):
     common = ["num_clients=4", "participation=0.5", "resources.num_cpus_per_actor=0.5"]
     d1, _ = run(tmp_path, "packed", *common, "resources.clients_per_actor=4")

@@ -106,15 +106,16 @@ def actor_name(i: int, run: str) -> str:
 
 
 def take_client_actors(needs: tuple, n: int) -> list:
-    """Up to `n` idle client actors that reserve `needs`; the other idle ones are stopped
-    (they hold CPUs and GPUs the run's new actors may need)."""
-    taken, rest = [], []
+    """Up to `n` idle client actors that reserve `needs`. Idle ones that reserve something
+    else are stopped (they hold CPUs and GPUs the run's new actors may need); more of the
+    same than the run takes stay idle, for a later run of more actors (a run of fewer starts
+    no actor, so they hold nothing it needs)."""
+    same = [actor for have, actor in _idle if have == needs]
     for have, actor in _idle:
-        (taken if have == needs and len(taken) < n else rest).append(actor)
-    _idle.clear()
-    for actor in rest:
-        ray.kill(actor)
-    return taken
+        if have != needs:
+            ray.kill(actor)
+    _idle[:] = [(needs, actor) for actor in same[n:]]
+    return same[:n]
 
 
 def keep_client_actors(needs: tuple, actors: list) -> None:
