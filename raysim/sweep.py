@@ -357,9 +357,10 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     tuner = tune.Tuner(
         tune.with_resources(_trial, {"cpu": 0, "memory": 1}),  # the point's actors reserve the CPUs
         param_space={"point": tune.grid_search(todo), "files": files, "cwd": os.getcwd()},
-        # one point at a time: each point's trial runs in the last one's process, which kept its
-        # server and client actors (runtime/pool.py), so only the first point starts processes
-        tune_config=tune.TuneConfig(max_concurrent_trials=at_once, reuse_actors=at_once == 1),
+        # each trial runs in a finished one's process, which kept that point's server and client
+        # actors (runtime/pool.py): only the first points start processes; a point whose actors
+        # reserve another CPU / GPU share stops the kept ones (pool.take_client_actors)
+        tune_config=tune.TuneConfig(max_concurrent_trials=at_once, reuse_actors=True),
         run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir / ".tune"), verbose=0),
     )
     results = tuner.fit()  # Tune catches Ctrl-C itself: it stops the trials and returns

@@ -227,3 +227,22 @@ def test_a_sweep_after_a_run_in_the_same_ray_session_gets_the_cpus(ray_local, tm
     assert sweep_here([*common, "seed=0,1", "resources.placement_timeout=60", "--output-dir", str(tmp_path),
                        "--name", "after"]) == 0
     assert all((tmp_path / "after" / f"seed={s}" / "summary.json").is_file() for s in (0, 1))
+
+
+def test_points_two_at_a_time_run_in_finished_points_processes_and_give_fresh_runs_models(ray_local, tmp_path):
+    """Four points of 1 actor of 2 CPUs on the session's 4: two at a time, the later two in
+    the processes the first two kept (Tune's `reuse_actors`, runtime/pool.py); a reused
+    point's model is the one a fresh run makes."""
+    from raysim.sweep import main as sweep_here
+
+    common = ["dataset=digits", "model=mlp", "num_clients=6", "rounds=2", "resources.num_actors=1",
+              "resources.num_cpus_per_actor=2"]
+    assert sweep_here([*common, "seed=0,1,2,3", "--output-dir", str(tmp_path), "--name", "two"]) == 0
+    reused = [s for s in range(4) if "reused from an earlier run" in (tmp_path / "two" / f"seed={s}" / "log.txt").read_text()]
+    assert reused, "no point ran in processes a finished point kept"
+    seed = reused[-1]
+    assert run([*common, f"seed={seed}", "ray.reuse_workers=false", f"output_dir={tmp_path}", "run_name=fresh",
+                "--quiet"]) == 0
+    sha = [json.loads((d / "summary.json").read_text())["model_sha256"]
+           for d in (tmp_path / "two" / f"seed={seed}", tmp_path / "fresh")]
+    assert sha[0] == sha[1]

@@ -16,8 +16,8 @@ modules are unchanged on disk (`code_stamp`); edits to other modules a plugin im
 `raysim.shutdown()` or `ray.reuse_workers=false`. A run that fails does not leave its
 processes. The CLI's Ray stops when the command ends, so there this changes nothing. A
 sweep releases its caller's before its points start (its points run in Tune's processes,
-which cannot take them over, and would wait for their CPUs); a sweep that runs one point at a
-time has Tune run each point in the last one's process (`reuse_actors`), which kept them.
+which cannot take them over, and would wait for their CPUs); Tune then runs each point in a
+finished point's process (`reuse_actors`), which kept that point's.
 """
 from __future__ import annotations
 
