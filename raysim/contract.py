@@ -157,14 +157,14 @@ class Algorithm:
     returns_model: ClassVar[bool] = False
     """True: `client_update` returns the client's whole model (a state dict) for the
     payload's `weights`, so model attacks (`attack.kind`, raysim/attacks.py) apply."""
-    sends_model: ClassVar[Optional[bool]] = None
-    """Whether `client_update` returns the client's whole model for the payload's `weights`,
-    so `compress.up` can encode its update (raysim/compression/uplink.py). None: as
-    `returns_model`; FedBuff and FedAsync send their model but refuse model attacks (True)."""
+    sends_model: ClassVar[bool] = False
+    """True: `client_update` returns the client's whole model, as `returns_model` says, but
+    model attacks are refused it (FedBuff, FedAsync): `compress.up` still encodes its update."""
 
     @classmethod
     def compressible(cls) -> bool:
-        return cls.returns_model if cls.sends_model is None else bool(cls.sends_model)
+        """Whether `compress.up` can encode a client's update (raysim/compression/uplink.py)."""
+        return cls.returns_model or cls.sends_model
 
     def __init__(self, cfg: DictConfig, num_classes: int, input_shape: tuple):
         self.cfg = cfg

@@ -212,7 +212,7 @@ def test_fedasync_trains_on_the_papers_regularised_objective():
         assert not torch.allclose(plain[k], prox[k], atol=1e-4)
 
 
-def _cli(capfd, args, seconds=240):
+def _main_within(capfd, args, seconds=240):
     """The command in this process on the session's Ray, with its warm workers: (exit
     status, stderr). A run that hangs (these runs used to loop for ever) fails the test
     after `seconds` instead of hanging the suite: the alarm's exception ends the run, whose
@@ -241,9 +241,9 @@ def test_async_runs_with_dropouts_end_and_log_each_dropout_once(ray_local, tmp_p
     updates."""
     n = 2
     per = "fedbuff.buffer" if algorithm == "fedbuff" else "fedasync.updates_per_round"
-    code, err = _cli(capfd, ["dataset=digits", "model=mclr", "num_clients=4", "rounds=6", f"algorithm={algorithm}",
-                                 f"{algorithm}.concurrency=3", f"{per}={n}", "system.dropout=0.5",
-                                 f"output_dir={tmp_path}", "run_name=r"])
+    code, err = _main_within(capfd, ["dataset=digits", "model=mclr", "num_clients=4", "rounds=6",
+                                     f"algorithm={algorithm}", f"{algorithm}.concurrency=3", f"{per}={n}",
+                                     "system.dropout=0.5", f"output_dir={tmp_path}", "run_name=r"])
     assert code == 0, err
     calls = [c for c in pq.read_table(tmp_path / "r" / "clients.parquet").to_pylist() if c["method"] == "client_update"]
     dropped = [(c["round"], c["cid"]) for c in calls if c["status"] == "dropped"]
@@ -260,9 +260,9 @@ def test_an_async_run_that_cannot_go_on_says_so(ray_local, tmp_path, capfd):
     for name, more in (("drop", ["system.dropout=0.99"]),
                        ("offline", ["system.profile=uniform", "system.availability=trace",
                                     f"system.availability_trace={tmp_path / 'on.csv'}"])):
-        code, err = _cli(capfd, ["dataset=digits", "model=mclr", "num_clients=3", "rounds=3", "algorithm=fedbuff",
-                                     "fedbuff.concurrency=2", "fedbuff.buffer=2", *more, f"output_dir={tmp_path}",
-                                     f"run_name={name}"])
+        code, err = _main_within(capfd, ["dataset=digits", "model=mclr", "num_clients=3", "rounds=3",
+                                         "algorithm=fedbuff", "fedbuff.concurrency=2", "fedbuff.buffer=2", *more,
+                                         f"output_dir={tmp_path}", f"run_name={name}"])
         assert code == 3, (name, err)
         assert "cannot go on" in err and "Traceback" not in err and err.count("\n") == 1, err
         summary = __import__("json").loads((tmp_path / name / "summary.json").read_text())

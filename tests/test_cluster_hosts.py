@@ -4,6 +4,7 @@ cluster-onprem.yaml changed only in its EDIT fields, then the docs' own commands
 `ray exec ... python -m raysim.run ray.address=auto ...`, `ray rsync-down`, `ray down`.
 
 Slow (about eight minutes) and root-only; skipped with the reason elsewhere."""
+import ast
 import json
 import os
 import re
@@ -45,7 +46,7 @@ def alive_nodes(info: dict) -> list[str]:
                 "print(\"nodes\", sorted(n[\"NodeManagerAddress\"] for n in ray.nodes() if n[\"Alive\"]))'",
                 env=info["env"], timeout=300)
     found = re.search(r"nodes (\[.*\])", r.stdout)
-    return __import__("ast").literal_eval(found.group(1)) if found else []
+    return ast.literal_eval(found.group(1)) if found else []
 
 
 def rx_bytes(host) -> int:

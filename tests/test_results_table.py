@@ -238,7 +238,8 @@ def test_points_two_at_a_time_run_in_finished_points_processes_and_give_fresh_ru
     common = ["dataset=digits", "model=mlp", "num_clients=6", "rounds=2", "resources.num_actors=1",
               "resources.num_cpus_per_actor=2"]
     assert sweep_here([*common, "seed=0,1,2,3", "--output-dir", str(tmp_path), "--name", "two"]) == 0
-    reused = [s for s in range(4) if "reused from an earlier run" in (tmp_path / "two" / f"seed={s}" / "log.txt").read_text()]
+    logs = [(tmp_path / "two" / f"seed={s}" / "log.txt").read_text() for s in range(4)]
+    reused = [s for s in range(4) if "reused from an earlier run" in logs[s]]
     assert reused, "no point ran in processes a finished point kept"
     seed = reused[-1]
     assert run([*common, f"seed={seed}", "ray.reuse_workers=false", f"output_dir={tmp_path}", "run_name=fresh",

@@ -110,12 +110,18 @@ def take_client_actors(needs: tuple, n: int) -> list:
     else are stopped (they hold CPUs and GPUs the run's new actors may need); more of the
     same than the run takes stay idle, for a later run of more actors (a run of fewer starts
     no actor, so they hold nothing it needs)."""
-    same = [actor for have, actor in _idle if have == needs]
+    taken, spare, stop = [], [], []
     for have, actor in _idle:
         if have != needs:
-            ray.kill(actor)
-    _idle[:] = [(needs, actor) for actor in same[n:]]
-    return same[:n]
+            stop.append(actor)
+        elif len(taken) < n:
+            taken.append(actor)
+        else:  # n = 0 (ray.reuse_workers=false): the run starts all its actors, so none stays
+            (spare if n else stop).append(actor)
+    for actor in stop:
+        ray.kill(actor)
+    _idle[:] = [(needs, actor) for actor in spare]
+    return taken
 
 
 def keep_client_actors(needs: tuple, actors: list) -> None:
