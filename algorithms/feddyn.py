@@ -19,7 +19,9 @@ evaluated: `global`, x (what clients start from, Algorithm 1's output), and `ave
 mean of the round's models (what the authors' code reports as its test accuracy). Not
 followed: the authors clip every gradient to norm 10 (all their methods alike); raysim's
 local SGD does not clip. lambda covers trainable parameters; buffers (BatchNorm
-statistics) take the plain sample-weighted mean.
+statistics) take the plain sample-weighted mean. Under a lossy `compress.up` each lambda_k
+gathers the decoded moves the server summed (`uploaded`), not the exact ones, so
+x = avg + sum(lambda) / N holds for the lambdas the clients train with.
 """
 from __future__ import annotations
 
@@ -133,3 +135,11 @@ class FedDyn(FedAvg):
         lam = client.state.get("lambda") or {n: torch.zeros_like(payload["weights"][n]) for n in names}
         client.state["lambda"] = {n: lam[n] + (w[n] - payload["weights"][n]) for n in names}
         return ClientResult(client.cid, client.num_samples, w, stats)
+
+    def uploaded(self, client: Client, payload: dict, trained: dict, received: dict) -> None:
+        """Under `compress.up` the server adds the decoded move (received - x) to its sum of
+        lambdas: the client's lambda_k takes that move too, in place of its exact one, so that
+        the server's sum stays the sum of the clients' lambdas (FL-bench keeps each lambda_k
+        on the server from the differences it received, src/server/feddyn.py: the same values)."""
+        lam = client.state["lambda"]
+        client.state["lambda"] = {n: lam[n] + (received[n] - trained[n]) for n in lam}

@@ -15,7 +15,8 @@ for the personal loss, p starting as a copy of the initial head), the same here,
 `_personal.Personal`). FL-bench's fedrod.py trains p on p(z) alone with z not stopped (the
 encoder learns from both losses) and adds an optional hypernetwork: not followed. The
 authors' code (hongyouc/FedRoD) was not in the reference store. `fedrod.gamma` is FL-bench's
-exponent on the counts (1: the paper's BSM)."""
+exponent on the counts (1: the paper's BSM; 0: plain cross-entropy), applied as FL-bench's
+`(counts ** gamma).log()`."""
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,9 @@ class FedRoD(Personal):
     def local_loss(self, client: Client, payload):
         gamma = float(client.cfg.fedrod.gamma)
         counts = torch.bincount(client.y, minlength=client.num_classes).to(client.device, torch.float32)
-        shift = gamma * counts.log()  # -inf for a class the client does not hold: out of its softmax
+        # log(n_c ** gamma), as FL-bench: -inf for a class the client lacks (out of its softmax) when
+        # gamma > 0; at gamma 0 every shift is log 1 = 0, plain cross-entropy (gamma x log 0 would be NaN)
+        shift = counts.pow(gamma).log()
 
         def loss(model, x, y):
             z = model.encoder(x)

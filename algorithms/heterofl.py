@@ -32,8 +32,9 @@ server; no Scaler. Its optional self-distillation is not implemented. `variant=f
 FedRolex (Alam, Liu, Yan, Zhang 2022, "FedRolex: Model-Heterogeneous Federated Learning with
 Rolling Sub-Model Extraction"): in round t a client of rate r trains hidden units
 (t + i) mod K, i < ceil(rK), of each layer (`rolled`): a window that rolls over the whole
-model, so every unit is trained by narrow clients too (with the authors' Scaler and masking
-options as HeteroFL's)."""
+model, so every unit is trained by narrow clients too, with the authors' Scaler and masking
+as HeteroFL's (AIoT-MLSys-Lab/FedRolex: config.yml `scale: '1'`, models/resnet.py's
+`Scaler(rate)`; `heterofl.scaler=false` turns it off for both)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class HeteroFLOptions(Options):
     proportions: List[float] = option([0.2, 0.2, 0.2, 0.2, 0.2])  # the share of clients at each rate
     weighting: str = option("clients", choices=("clients", "samples"))  # an element's mean over the clients holding it
     mask: bool = option(True)  # logits of classes the client lacks are 0 in training; only its classes' rows averaged
-    scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (the authors'; not FjORD's)
+    scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (HeteroFL's and FedRolex's authors'; FjORD has none)
     variant: str = option("heterofl", choices=("heterofl", "fjord", "fedrolex"))  # fjord: each step a width <= the client's; fedrolex: rolling windows
 
     def check(self, cfg, section: str) -> None:
@@ -273,7 +274,7 @@ class HeteroFL(FedAvg):
             self._widths = {}
         if rate not in self._widths:
             model = self.width_model(rate).to(client.device)
-            if client.cfg.heterofl.scaler and client.cfg.heterofl.variant == "heterofl":
+            if client.cfg.heterofl.scaler and client.cfg.heterofl.variant != "fjord":  # HeteroFL's and FedRolex's
                 scale(model, rate)
             self._widths[rate] = model
         return self._widths[rate]

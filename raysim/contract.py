@@ -266,6 +266,13 @@ class Algorithm:
         `server.run_clients(..., method=NAME)` has the same shape."""
         raise NotImplementedError
 
+    uploaded: ClassVar[Optional[Callable]] = None
+    """Optional client-side hook `uploaded(client, payload, trained, received)`, called after
+    `compress.up` encoded a `client_update`'s model: `trained` is the model it returned,
+    `received` the model the server will decode from the message. A client whose state
+    follows what it sent (FedDyn's lambda_k) keeps it from `received`, so the server's view
+    of it and the client's agree under a lossy codec. None: not called (no decoding)."""
+
     # `personalise(client, payload) -> ClientResult`, the client method personalised evaluation
     # runs (runtime/personal_eval.py), is optional: without it the runtime runs
     # `training.personalise` (load the served weights, `make_personal`, fine-tune

@@ -125,7 +125,7 @@ class InProcessServer:
             for client, result, residual in zip(clients, done, residuals):
                 result = self.adversaries.after(client, received, result, rnd, method)
                 if uplink is not None:
-                    result = uplink.send(client, received, result, rnd, residual)
+                    result = uplink.send(client, received, result, rnd, residual, plugin)
                 if stateful:
                     self.states[client.cid] = unpack(pack(client.state))
                 elif client.state:

@@ -169,3 +169,28 @@ def test_heterofl_learns_on_digits_with_the_same_bits_on_any_actors_and_resumed(
     last = [r["accuracy"] for r in curve[-3:]]
     assert sum(last) / 3 > 0.8, [r["accuracy"] for r in curve]
     assert curve[-1]["width_0.5_accuracy"] > 0.3  # the half-width cut of the global model learns too
+
+
+@pytest.mark.parametrize("variant,scaled", [("heterofl", True), ("fedrolex", True), ("fjord", False)])
+def test_the_scaler_divides_a_narrow_clients_hidden_outputs_by_its_rate_in_training(variant, scaled):
+    """The authors' Scaler (HeteroFL's and FedRolex's, `heterofl.scaler=true`; FjORD has none):
+    mlp 4-8-3 at rate 1/2 (hidden 4). In training the hidden layer's output is divided by 1/2,
+    so (through the ReLU) the head reads twice the evaluation's features; in evaluation it is
+    as it is. (Before issue 71 FedRolex never applied it: its train and eval outputs agreed.)"""
+    from raysim.training import new_client
+
+    cfg = load_config(overrides=["algorithm=heterofl", f"heterofl.variant={variant}", "model=mlp",
+                                 "model_options.hidden=[8]", "heterofl.rates=[1.0,0.5]",
+                                 "heterofl.proportions=[0.5,0.5]"])
+    algo = set_up(cfg, None, (4,), 3)
+    x = torch.randn(6, 4)
+    client = new_client(cfg, 1, 0, x, torch.zeros(6, dtype=torch.long), 3, {}, build_model("mlp", (4,), 3,
+                                                                                           {"hidden": [8]}), epochs=1)
+    half = algo._scratch(client, 0.5)
+    half.eval()
+    features = half.encoder(x)
+    assert torch.equal(half(x), half.head(features))
+    half.train()
+    expected = half.head(features / 0.5) if scaled else half.head(features)
+    assert torch.allclose(half(x), expected, atol=1e-6)
+    assert scaled == (not torch.allclose(half(x), half.head(features), atol=1e-4))

@@ -236,14 +236,20 @@ def test_pfedme_server_mixes_the_mean_in_by_beta_and_buffers_take_the_plain_mean
 
 
 # ---- FedRoD --------------------------------------------------------------------------------------
-def test_fedrod_trains_the_generic_head_on_balanced_softmax_and_its_own_head_on_the_sum():
-    """Client 0 holds labels 0, 1, 1, 1 (counts 1, 3). One full-batch step at lr 0.5: the
-    encoder and g on CE(g(z) + log n, y); p on CE(g(z) + p(z), y) with g(z) and z fixed. The
-    upload is the encoder and g; p stays home; its personal model's head is g + p."""
+@pytest.mark.parametrize("labels,gamma,shift", [
+    ([0, 1, 1, 1], 1.0, [0.0, 1.0986123]),  # the paper's BSM: log n_c, counts (1, 3)
+    ([0, 1, 1, 1], 0.5, [0.0, 0.5493061]),  # 0.5 log 3
+    ([1, 1, 1, 1], 1.0, [float("-inf"), 1.3862944]),  # class 0 absent: out of the softmax
+    ([1, 1, 1, 1], 0.0, [0.0, 0.0])])  # gamma 0: plain cross-entropy, even with a class absent (was NaN)
+def test_fedrod_trains_the_generic_head_on_balanced_softmax_and_its_own_head_on_the_sum(labels, gamma, shift):
+    """Client 0 holds `labels`. One full-batch step at lr 0.5: the encoder and g on
+    CE(g(z) + log n_c^gamma, y) (`shift`, worked out by hand); p on CE(g(z) + p(z), y) with
+    g(z) and z fixed. The upload is the encoder and g; p stays home; its personal model's head
+    is g + p."""
     import torch.nn.functional as F
 
-    y0 = torch.tensor([0, 1, 1, 1])
-    cfg = load_config(overrides=["algorithm=fedrod", *SMALL, "local.batch_size=8"])
+    y0 = torch.tensor(labels)
+    cfg = load_config(overrides=["algorithm=fedrod", *SMALL, "local.batch_size=8", f"fedrod.gamma={gamma}"])
     s = InProcessServer(cfg, [(X, y0), (X, 1 - Y), (X[:2], Y[:2])], 2)
     s.setup()
     w = cpu_state(s.algorithm.model)
@@ -251,7 +257,7 @@ def test_fedrod_trains_the_generic_head_on_balanced_softmax_and_its_own_head_on_
     p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
     z = F.relu(X @ p["encoder.1.weight"].T + p["encoder.1.bias"])
     g = z @ p["head.weight"].T + p["head.bias"]
-    bsm = F.cross_entropy(g + torch.tensor([1.0, 3.0]).log(), y0)
+    bsm = F.cross_entropy(g + torch.tensor(shift), y0)
     own = F.cross_entropy(g.detach() + z.detach() @ p["personal.weight"].T + p["personal.bias"], y0)
     grad = dict(zip(p, torch.autograd.grad(bsm + own, list(p.values()))))
     want = {k: w[k] - 0.5 * grad[k] for k in w}
@@ -259,7 +265,7 @@ def test_fedrod_trains_the_generic_head_on_balanced_softmax_and_its_own_head_on_
     (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
     assert set(r.update) == {k for k in w if not k.startswith("personal.")}
     for k in r.update:
-        assert torch.allclose(r.update[k], want[k], atol=1e-6), k
+        assert torch.isfinite(r.update[k]).all() and torch.allclose(r.update[k], want[k], atol=1e-6), k
     for k in ("personal.weight", "personal.bias"):
         assert torch.allclose(s.states[0]["kept"][k], want[k], atol=1e-6), k
         assert not torch.allclose(want[k], w[k])

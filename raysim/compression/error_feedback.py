@@ -22,8 +22,10 @@ from raysim.compression.codecs import Message
 
 def encode_with_feedback(codec, v: torch.Tensor, residual: Optional[torch.Tensor],
                          gen: Optional[torch.Generator]) -> tuple[Message, torch.Tensor]:
-    """(the message of v + residual, the new residual). The generator is used once for the
-    encoding; the decoding here draws from a copy of its state, as the server will."""
+    """(the message of v + residual, the new residual: what the server will not apply of
+    it, the codec's `applied` where it has one, else its decoding). The generator is used
+    once for the encoding; the decoding here draws from a copy of its state, as the server
+    will."""
     v = v.detach().reshape(-1).float().cpu()
     target = v if residual is None else v + residual
     state = gen.get_state() if gen is not None else None
@@ -33,4 +35,5 @@ def encode_with_feedback(codec, v: torch.Tensor, residual: Optional[torch.Tensor
         replay.set_state(state)
     else:
         replay = None
-    return m, target - codec.decode(m, replay)
+    applied = getattr(codec, "applied", codec.decode)  # what the server moves by (signsgd: lr x the signs)
+    return m, target - applied(m, replay)

@@ -21,7 +21,10 @@ server optimisers, central DP and the clients table see decoded models and need 
   codec here has a fixed-width message for a vector of n entries, so `message_bytes` (a real
   encoding of n zeros) is every client's upload size, which the clock reads before training.
 - `signsgd` sends bare signs (decoded as +1 / -1) for `server.aggregator=majority_vote`
-  (Bernstein et al. 2018): the server steps by `server.lr` times the sign of the vote.
+  (Bernstein et al. 2018): the server steps by `server.lr` times the sign of the vote; its
+  error feedback keeps what `server.lr` times the signs left (`BareSign.applied`).
+  `compress.up=sign` with majority vote and error feedback is refused (config/validate.py):
+  its residual would subtract the scaled signs, which the vote does not apply.
 
 Order on a client: training (and `privacy.mode=local`'s DP-SGD) -> a model attack
 (raysim/attacks.py) -> compression. On the server: decoding -> clipping and noise of
@@ -45,9 +48,21 @@ STREAM = 57  # seed_for(seed, round, client, STREAM): the codec's randomness
 
 
 class BareSign(ScaledSign):
-    """signSGD's message: the signs alone (no scale travels); decoded as +1 / -1."""
+    """signSGD's message: the signs alone (no scale travels); decoded as +1 / -1. What the
+    server applies of it is `step` (`server.lr`) times the signs (majority vote with one
+    voter), so error feedback keeps (v + e) - step x sign(v + e), as epfml/error-feedback-SGD
+    scales the sign by the learning rate in both the step and the memory: a residual of
+    (v + e) - sign(v + e) would be of order 1 against updates of order lr and flip every
+    sign it touched."""
 
     name = "signsgd"
+
+    def __init__(self, step: float = 1.0):
+        self.step = float(step)
+
+    def applied(self, m: Message, gen=None) -> torch.Tensor:
+        """What the server moves by for this message: `step` times its signs."""
+        return self.signs(m) * self.step
 
     def encode(self, v, gen=None) -> Message:
         m = super().encode(v, gen)
@@ -62,7 +77,7 @@ def codec_of(cfg):
     """The codec `compress.*` names."""
     c = cfg.compress
     return {"topk": lambda: TopK(c.ratio), "randk": lambda: RandK(c.ratio),
-            "qsgd": lambda: QSGD(int(c.bits), int(c.bucket)), "sign": ScaledSign, "signsgd": BareSign}[c.up]()
+            "qsgd": lambda: QSGD(int(c.bits), int(c.bucket)), "sign": ScaledSign, "signsgd": lambda: BareSign(float(cfg.server.lr))}[c.up]()
 
 
 @dataclass
@@ -118,9 +133,11 @@ class Uplink:
         the new one back)."""
         return client.state.pop(RESIDUAL, None)
 
-    def send(self, client, payload, result, rnd: int, residual: Optional[torch.Tensor] = None):
+    def send(self, client, payload, result, rnd: int, residual: Optional[torch.Tensor] = None, plugin=None):
         """The client's result with its update encoded; with error feedback, `residual` (what
-        `hide` took) goes into the message and the new residual into `client.state`."""
+        `hide` took) goes into the message and the new residual into `client.state`. A
+        `plugin` with an `uploaded` hook (contract.Algorithm.uploaded) is then told what the
+        server will decode."""
         sent, trained = payload["weights"], result.update
         keys = self._compressed_keys(trained)
         v = torch.cat([(trained[k].detach().float().cpu() - sent[k].float().cpu()).reshape(-1) for k in keys])
@@ -130,6 +147,8 @@ class Uplink:
         else:
             message = self.codec.encode(v, gen)
         result.update = Compressed(message, {k: t for k, t in trained.items() if k not in keys})
+        if plugin is not None and plugin.uploaded is not None:
+            plugin.uploaded(client, payload, trained, self.receive(result.update, payload, rnd, client.cid))
         return result
 
     def receive(self, update, payload, rnd: int, cid: int) -> dict:

@@ -352,6 +352,13 @@ def check_compress(cfg: DictConfig, need) -> None:
     need(not (c.error_feedback and getattr(algorithm, "asynchronous", False)),
          f"compress.error_feedback with algorithm={cfg.algorithm}: a client in flight at a checkpoint has already left "
          "its new residual, so a resumed run would differ; error feedback is for synchronous rounds")
+    if c.error_feedback and cfg.server.aggregator == "majority_vote":
+        need(c.up == "signsgd", f"compress.error_feedback with compress.up={c.up} and server.aggregator=majority_vote: "
+                                "the vote steps server.lr x the sign, not the decoded update the residual subtracts; "
+                                "use compress.up=signsgd (its residual is kept against server.lr x the sign)")
+        need(cfg.server.optimizer == "sgd", "compress.error_feedback with majority_vote keeps its residual against a "
+                                            f"step of server.lr x the sign (server.optimizer=sgd), got "
+                                            f"server.optimizer={cfg.server.optimizer}")
     need(c.up != "signsgd" or cfg.server.aggregator == "majority_vote",
          "compress.up=signsgd sends bare signs, which only server.aggregator=majority_vote reads (Bernstein et al. "
          "2018); compress.up=sign sends scaled signs any aggregator averages")

@@ -143,7 +143,7 @@ class ClientRunner:
             for client, result, old, residual in zip(part, done, before, residuals):
                 result = self.adversaries.after(client, payload, result, rnd, method)
                 if uplink is not None:
-                    result = uplink.send(client, payload, result, rnd, residual)
+                    result = uplink.send(client, payload, result, rnd, residual, plugin)
                 result.metrics.setdefault("seconds", seconds)
                 if stateful:
                     # a state the call did not touch is not sent back: the server keeps what it has
