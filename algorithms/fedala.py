@@ -8,7 +8,7 @@ model's weights; its higher ones (the last `fedala.layer_idx` parameter tensors;
 W_i (client state, all ones at first) learned by
     W_i <- clip(W_i - eta * grad_theta_hat L * (theta_global - theta_i), 0, 1)
 on each batch of a window of `fedala.rand_percent`% of its training data (a random start,
-batches in order, the last short batch dropped), with theta_hat recomputed after each batch:
+batches in order, the last short batch kept), with theta_hat recomputed after each batch:
 one pass a round, except the first time, when passes repeat until the std of the last
 `fedala.num_pre_loss` pass losses is under `fedala.threshold` (at most
 `fedala.max_start_epochs` passes). Then it trains theta_hat as FedAvg does and uploads it;
@@ -20,8 +20,9 @@ Compared with the authors' ALA module (TsingZ0/FedALA, utils/ALA.py, also PFLlib
 utils/ALA.py and clientala.py; defaults eta 1, rand_percent 80, threshold 0.1, num_pre_loss 10,
 PFLlib's layer_idx 2: a linear head's weight and bias). Differences: their clients keep their
 own BatchNorm statistics; here buffers come from the served model (raysim's buffer rule); a
-window shorter than one batch is used whole (theirs would be empty); the start phase is
-capped (theirs loops until the std test passes)."""
+window of no sample (rand_percent of a client of a few samples rounds to 0) is one sample here
+(their loader would be empty and their loop fail); the start phase is capped (theirs loops
+until the std test passes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,7 +98,9 @@ class FedALA(FedAvg):
         n, bs = client.num_samples, int(client.cfg.local.batch_size)
         size = int(int(o.rand_percent) / 100 * n)
         at = int(torch.randint(0, n - size + 1, (1,), generator=client.generator))
-        window = [slice(s, s + bs) for s in range(at, at + size - bs + 1, bs)] or [slice(at, at + max(size, 1))]
+        # the window's batches in order, the last short one kept (the authors' DataLoader, drop_last=False);
+        # a window of no sample (a tiny client) is one sample here (theirs would have no batch and fail)
+        window = [slice(s, min(s + bs, at + size)) for s in range(at, at + size, bs)] or [slice(at, at + 1)]
         mix()
         losses, buffers = [], {k: b.clone() for k, b in model.named_buffers()}  # W's passes leave no statistics (the authors' copy)
         try:

@@ -341,15 +341,16 @@ def test_fedproto_predicts_by_the_nearest_global_prototype():
 
 
 # ---- FedALA --------------------------------------------------------------------------------------
-def _ala_by_hand(glob: dict, own: dict, W: dict, passes: int, eta: float = 1.0) -> tuple[dict, dict]:
-    """The head mixed: theta_hat = own + (glob - own) W, W stepped on batches X[0:2], X[2:4]
-    in order; the encoder the global one. (the mixed model, W)."""
+def _ala_by_hand(glob: dict, own: dict, W: dict, passes: int, eta: float = 1.0,
+                 batches=(slice(0, 2), slice(2, 4))) -> tuple[dict, dict]:
+    """The head mixed: theta_hat = own + (glob - own) W, W stepped on `batches` of X in
+    order; the encoder the global one. (the mixed model, W)."""
     from test_personal import ce
 
     W = dict(W)
     mixed = lambda: {**glob, **{k: own[k] + (glob[k] - own[k]) * W[k] for k in W}}  # noqa: E731
     for _ in range(passes):
-        for rows in (slice(0, 2), slice(2, 4)):
+        for rows in batches:
             p = {k: v.clone().requires_grad_(k in W) for k, v in mixed().items()}
             g = dict(zip(W, torch.autograd.grad(ce(p, X[rows], Y[rows]), [p[k] for k in W])))
             W = {k: torch.clamp(W[k] - eta * g[k] * (glob[k] - own[k]), 0, 1) for k in W}
@@ -386,3 +387,22 @@ def test_fedala_mixes_the_head_element_wise_with_learned_weights_and_takes_the_g
     # never trained: the served model as it is
     (q,) = s.run_clients(1, [1], payload, method="personalise")
     assert all(torch.equal(q.update[k], glob[k]) for k in glob)
+
+
+def test_fedalas_window_starts_anywhere_and_keeps_its_last_short_batch():
+    """rand_percent 75 of 4 samples: a window of 3 from a random start (0 or 1), cut in batches
+    of 2: rows [a, a+2) then the short [a+2, a+3), kept as the authors' DataLoader
+    (drop_last=False) keeps it. The learned W is one of the two hand computations; dropping
+    the short batch (raysim before issue 71) matches neither."""
+    s = server_for("fedala", "local.batch_size=2", "fedala.rand_percent=75", "fedala.eta=0.7")
+    glob = cpu_state(s.algorithm.model)
+    own = {k: v + 0.3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in glob.items()}
+    W = {"head.weight": torch.full((2, 3), 0.5), "head.bias": torch.tensor([0.2, 0.9])}
+    s.states[0] = {"theta": own, "W": list(W.values())}
+    s.run_clients(1, [0], s.algorithm.broadcast(1))
+    got = dict(zip(W, s.states[0]["W"]))
+    hand = [_ala_by_hand(glob, own, W, passes=1, eta=0.7, batches=(slice(a, a + 2), slice(a + 2, a + 3)))[1]
+            for a in (0, 1)]
+    dropped = [_ala_by_hand(glob, own, W, passes=1, eta=0.7, batches=(slice(a, a + 2),))[1] for a in (0, 1)]
+    assert any(all(torch.allclose(got[k], h[k], atol=1e-6) for k in W) for h in hand)
+    assert not any(all(torch.allclose(got[k], h[k], atol=1e-6) for k in W) for h in dropped)

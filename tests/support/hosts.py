@@ -3,7 +3,8 @@
 Each host is a Linux network namespace with its own address on a private bridge, links
 shaped by `tc netem` (1 Gbit/s and 0.5 ms each way by default, so bytes cost time), and its
 own sshd (Debian's openssh-server), started in mount and PID namespaces of its own where the
-host's folders are bind-mounted over /root and /tmp: a process on a host (a login over SSH,
+host's folders are bind-mounted over /root and /tmp (the machine's Python and this checkout
+showing through, wherever they live, /tmp included): a process on a host (a login over SSH,
 a Ray node) sees its own home and temp folder and its own processes (`ray stop` there stops
 that host's Ray, nothing else), and reaches the other hosts only over the network. Everything else of the file system (the Python install, this repository) is the
 machine's, as an image shared by cloud hosts would be; a test that needs a shared folder
@@ -167,8 +168,12 @@ class Hosts:
         keep = sorted({Path(p).relative_to("/root").parts[0] for p in _needed() if Path(p).is_relative_to("/root")
                        and p != "/root"})
         binds = "".join(f"mkdir -p {folder}/home/{k} && mount --bind /root/{k} {folder}/home/{k} && " for k in keep)
+        # and from /tmp, which the host's own /tmp hides: a venv or a checkout made there
+        keep_tmp = sorted({Path(p).relative_to("/tmp").parts[0] for p in _needed() if Path(p).is_relative_to("/tmp")
+                           and p != "/tmp"})
+        binds += "".join(f"mkdir -p {folder}/tmp/{k} && mount --bind /tmp/{k} {folder}/tmp/{k} && " for k in keep_tmp)
         script = (f"mount --make-rprivate / && {binds}mount --rbind {folder}/home /root "
-                  f"&& mount --bind {folder}/tmp /tmp && exec {SSHD} -D -e -f {folder}/etc/sshd_config")
+                  f"&& mount --rbind {folder}/tmp /tmp && exec {SSHD} -D -e -f {folder}/etc/sshd_config")
         log = open(folder / "etc/sshd.log", "w")
         # and its own PID namespace: `ray stop` on a host sees that host's processes only
         self._sshd.append(subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--pid", "--fork",
