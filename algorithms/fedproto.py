@@ -6,7 +6,10 @@ client trains a model of its own on
 
 (the MSE over the batch, a sample whose class has no global prototype adding 0, PFLlib's
 reading), then uploads its local prototypes: the mean of z over its training samples of each
-class it holds (eval mode, after training). The server's global prototype of class j is the
+class it holds (eval mode, after training: the prototypes of the model it ends with;
+`fedproto.collect=training` takes the authors' instead, the mean of z over the last epoch's
+training batches, each before its step, in train mode; PFLlib's clientproto.py pools every
+epoch's, the same at one epoch). The server's global prototype of class j is the
 mean of the round's uploaded prototypes of j (`fedproto.weighting=clients`, the authors' and
 PFLlib's; `samples`: weighted by each client's count of j), replacing the last round's. A
 client's model predicts by its nearest global prototype, argmin_j ||z - C^j||^2 =
@@ -43,6 +46,7 @@ class FedProtoOptions(Options):
     lam: float = option(1.0, at_least=0)  # lambda: the prototype term's weight (the authors' and PFLlib's: 1)
     weighting: str = option("clients", choices=("clients", "samples"))  # a class's global prototype: mean over clients | by their counts
     inference: str = option("prototypes", choices=("prototypes", "head"))  # a client's prediction: nearest global prototype | its own classifier
+    collect: str = option("after", choices=("after", "training"))  # local prototypes: of the trained model (eval mode) | the last epoch's training passes (the authors')
 
 
 @ALGORITHMS.register("fedproto")
@@ -99,15 +103,26 @@ class FedProto(Personal):
         lam, ce = float(client.cfg.fedproto.lam), base_loss(client.cfg.local)
         protos, has = payload["protos"].to(client.device), payload["has"].to(client.device)
 
+        seen = self._passes = PassSums(client.num_samples, client.num_classes) \
+            if client.cfg.fedproto.collect == "training" else None
+
         def loss(model, x, y):
             z = model.encoder(x)
+            if seen is not None:
+                seen.add(z.detach(), y)
             target = torch.where(has[y][:, None], protos[y], z.detach())  # no prototype: no pull
             return F.cross_entropy(model.head(z), y) + lam * F.mse_loss(z, target) if lam else ce(model, x, y)
 
         return loss
 
     def upload(self, client: Client, model: torch.nn.Module) -> dict:
-        """Its class prototypes after training, and each class's count: no weights."""
+        """Its class prototypes, and each class's count: no weights. `collect=after`: of the
+        trained model, in eval mode; `training`: the mean z of the last epoch's training
+        batches, each taken before its step (the authors' `update_weights_het`)."""
+        passes = getattr(self, "_passes", None)
+        if client.cfg.fedproto.collect == "training" and passes is not None and passes.sums is not None:
+            self._passes = None
+            return {"protos": (passes.sums / passes.counts.clamp(min=1)[:, None]).float(), "counts": passes.counts}
         protos, counts = local_prototypes(model, client.x, client.y, client.num_classes,
                                           int(client.cfg.local.batch_size))
         return {"protos": protos, "counts": counts}
@@ -121,6 +136,23 @@ class FedProto(Personal):
             result.update["head.weight"] = 2 * protos
             result.update["head.bias"] = torch.where(has, -(protos ** 2).sum(1), torch.tensor(-1e30))
         return result
+
+
+class PassSums:
+    """Each class's sum of z over the current pass through a client's n samples (a new pass
+    starts after every n samples: what is left at the end is the last epoch's)."""
+
+    def __init__(self, n: int, num_classes: int):
+        self.n, self.num_classes, self.seen = n, num_classes, 0
+        self.sums, self.counts = None, torch.zeros(num_classes, dtype=torch.float64)
+
+    def add(self, z: torch.Tensor, y: torch.Tensor) -> None:
+        if self.sums is None or (self.seen and self.seen % self.n == 0):  # a new pass
+            self.sums = torch.zeros(self.num_classes, z.shape[1], dtype=torch.float64)
+            self.counts = torch.zeros(self.num_classes, dtype=torch.float64)
+        self.sums.index_add_(0, y.cpu(), z.double().cpu())
+        self.counts += torch.bincount(y.cpu(), minlength=self.num_classes).double()
+        self.seen += len(y)
 
 
 @torch.no_grad()

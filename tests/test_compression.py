@@ -77,6 +77,22 @@ def test_scaled_sign_sends_one_bit_an_entry_and_the_mean_magnitude():
     assert c.signs(m).tolist() == [1.0, -1.0, 1.0, 1.0, 1.0]
 
 
+def test_scaled_sign_per_tensor_scales_each_tensor_by_its_own_mean_magnitude():
+    """`compress.sign_scale=tensor` (epfml/error-feedback-SGD's per-parameter scaled sign): a
+    tensor of 2 entries (0.5, -1.5: mean 1) and one of 3 (2, -4, 0: mean 2), one float32 each."""
+    from raysim.compression.uplink import Uplink
+
+    v = torch.tensor([0.5, -1.5, 2.0, -4.0, 0.0])
+    c = ScaledSign([2, 3])
+    m = c.encode(v)
+    assert m.nbytes == 1 + 2 * 4
+    assert c.decode(m).tolist() == [1.0, -1.0, 2.0, -2.0, 2.0]
+    assert torch.allclose(ScaledSign().decode(ScaledSign().encode(v)), torch.tensor([1.6, -1.6, 1.6, -1.6, 1.6]))
+    model = torch.nn.Linear(3, 2)  # bias (2 entries) then weight (6), sorted by name
+    uplink = Uplink.from_config(load_config(overrides=["compress.up=sign", "compress.sign_scale=tensor"]), model)
+    assert uplink.codec.blocks == [2, 6]
+
+
 @pytest.mark.parametrize("codec", [TopK(0.2), RandK(0.2), QSGD(bits=2, bucket=8), ScaledSign()],
                          ids=["topk", "randk", "qsgd", "sign"])
 def test_error_feedback_loses_nothing_over_rounds(codec):

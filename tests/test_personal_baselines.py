@@ -305,6 +305,33 @@ def test_fedproto_trains_towards_the_global_prototypes_and_uploads_its_class_mea
     assert r.update["counts"].tolist() == [2, 2]
 
 
+def test_fedproto_can_collect_its_prototypes_from_the_last_epochs_training_passes():
+    """`fedproto.collect=training` (the authors'): 2 epochs of batches of 2 at lr 0.5; the
+    prototypes are the mean z of epoch 2's batches, each z taken before its step, so they are
+    neither the trained model's (collect=after) nor epoch 1's."""
+    import torch.nn.functional as F
+
+    s = server_for("fedproto", "fedproto.collect=training", "local.batch_size=2", "local.epochs=2")
+    w = cpu_state(s.algorithm.model)
+    client = s._client(1, 0, False)  # its batch order, as local_sgd draws it
+    order = [torch.randperm(4, generator=client.generator) for _ in range(2)]
+    p, zs = dict(w), []
+    for epoch, perm in enumerate(order):
+        for rows in (perm[:2], perm[2:]):
+            q = {k: v.clone().requires_grad_(True) for k, v in p.items()}
+            z = F.relu(X[rows] @ q["encoder.1.weight"].T + q["encoder.1.bias"])
+            if epoch == 1:
+                zs.append((z.detach(), Y[rows]))
+            loss = F.cross_entropy(z @ q["head.weight"].T + q["head.bias"], Y[rows])
+            p = {k: p[k] - 0.5 * g for k, g in zip(q, torch.autograd.grad(loss, list(q.values())))}
+    z2, y2 = torch.cat([z for z, _ in zs]), torch.cat([y for _, y in zs])
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    assert torch.allclose(r.update["protos"], torch.stack([z2[y2 == 0].mean(0), z2[y2 == 1].mean(0)]), atol=1e-6)
+    after = F.relu(X @ p["encoder.1.weight"].T + p["encoder.1.bias"])
+    assert not torch.allclose(r.update["protos"], torch.stack([after[Y == 0].mean(0), after[Y == 1].mean(0)]),
+                              atol=1e-4)
+
+
 @pytest.mark.parametrize("weighting", ["clients", "samples"])
 def test_fedproto_server_averages_each_classs_prototypes_over_the_clients_that_hold_it(weighting):
     from raysim.contract import ClientResult

@@ -18,8 +18,9 @@ whose length is the bytes that travel, and decode it back (issue 57).
   low bits, is not applied; the bytes say what this encoding costs).
 - `ScaledSign` (Karimireddy et al. 2019, EF-SignSGD): sign bits and one float32, the mean
   magnitude ||v||_1 / n; decoded as that times the signs (the authors' `scaled_sign` in
-  epfml/error-feedback-SGD; a zero entry, whose sign is 0 there, travels as + here: one
-  bit). `signs` gives the bare signs for signSGD's majority vote (Bernstein et al. 2018),
+  epfml/error-feedback-SGD, which scales each parameter tensor by its own mean magnitude:
+  `blocks`, `compress.sign_scale=tensor`; a zero entry, whose sign is 0 there, travels as +
+  here: one bit). `signs` gives the bare signs for signSGD's majority vote (Bernstein et al. 2018),
   which the server takes.
 
 Randomness (RandK, QSGD) comes only from the generator passed in, so a client's message
@@ -159,11 +160,22 @@ class QSGD:
 
 
 class ScaledSign:
+    """Sign bits and the mean magnitude: of the whole vector (`blocks` None), or of each block
+    of consecutive entries (`blocks`: their lengths, one per parameter tensor: the
+    per-tensor scale of epfml/error-feedback-SGD, whose optimiser compresses tensor by tensor)."""
+
     name = "sign"
+
+    def __init__(self, blocks: list[int] | None = None):
+        self.blocks = list(blocks) if blocks else None
+
+    def _blocks(self, n: int) -> list[int]:
+        return self.blocks if self.blocks and sum(self.blocks) == n else [n]
 
     def encode(self, v: torch.Tensor, gen: torch.Generator | None = None) -> Message:
         v = v.detach().reshape(-1).float().cpu()
-        scale = v.double().abs().mean().float().reshape(1)
+        scale = torch.stack([part.double().abs().mean() if part.numel() else torch.zeros((), dtype=torch.float64)
+                             for part in torch.split(v, self._blocks(v.numel()))]).float()
         return Message(self.name, v.numel(), {"scale": scale.numpy().astype(np.float32),
                                               "signs": np.packbits((v < 0).numpy().astype(np.uint8))})
 
@@ -173,4 +185,6 @@ class ScaledSign:
         return torch.from_numpy(1.0 - 2.0 * neg)
 
     def decode(self, m: Message, gen: torch.Generator | None = None) -> torch.Tensor:
-        return self.signs(m) * float(m.parts["scale"][0])
+        scale = torch.from_numpy(m.parts["scale"].copy())
+        sizes = self._blocks(m.n) if len(scale) > 1 else [m.n]
+        return self.signs(m) * torch.repeat_interleave(scale, torch.tensor(sizes))

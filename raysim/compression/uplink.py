@@ -58,6 +58,7 @@ class BareSign(ScaledSign):
     name = "signsgd"
 
     def __init__(self, step: float = 1.0):
+        super().__init__()
         self.step = float(step)
 
     def applied(self, m: Message, gen=None) -> torch.Tensor:
@@ -73,11 +74,14 @@ class BareSign(ScaledSign):
         return self.signs(m)
 
 
-def codec_of(cfg):
-    """The codec `compress.*` names."""
+def codec_of(cfg, blocks: Optional[list] = None):
+    """The codec `compress.*` names (`blocks`: the update's tensors' lengths, in its order, for
+    `compress.sign_scale=tensor`)."""
     c = cfg.compress
+    per_tensor = blocks if c.get("sign_scale", "update") == "tensor" else None
     return {"topk": lambda: TopK(c.ratio), "randk": lambda: RandK(c.ratio),
-            "qsgd": lambda: QSGD(int(c.bits), int(c.bucket)), "sign": ScaledSign, "signsgd": lambda: BareSign(float(cfg.server.lr))}[c.up]()
+            "qsgd": lambda: QSGD(int(c.bits), int(c.bucket)), "sign": lambda: ScaledSign(per_tensor),
+            "signsgd": lambda: BareSign(float(cfg.server.lr))}[c.up]()
 
 
 @dataclass
@@ -97,9 +101,9 @@ class Compressed:
 class Uplink:
     """Both ends of `compress.up` for one run: `send` on the client, `receive` on the server."""
 
-    def __init__(self, cfg, trainable: list[str]):
-        self.codec = codec_of(cfg)
+    def __init__(self, cfg, trainable: list[str], sizes: Optional[dict] = None):
         self.keys = sorted(trainable)
+        self.codec = codec_of(cfg, [sizes[k] for k in self.keys] if sizes else None)
         self.feedback = bool(cfg.compress.error_feedback)
         self.seed = int(cfg.seed)
         self._message_bytes: dict[int, int] = {}  # entries encoded -> the message's bytes (fixed-length codecs)
@@ -111,7 +115,9 @@ class Uplink:
             return None
         from raysim.training import parameter_names
 
-        return cls(cfg, list(parameter_names(model)))
+        state = model.state_dict()
+        names = list(parameter_names(model))
+        return cls(cfg, names, {k: state[k].numel() for k in names if k in state})
 
     @staticmethod
     def applies(method: str, on: str) -> bool:

@@ -239,6 +239,7 @@ class CompressConfig:
     bits: int = 8  # qsgd: bits per entry (a sign bit and bits - 1 of level)
     bucket: int = 512  # qsgd: entries that share one norm
     error_feedback: bool = False  # a client adds what its last messages dropped to its next update (its state)
+    sign_scale: str = "update"  # sign: one mean magnitude for the whole update | tensor: one per parameter tensor (epfml/error-feedback-SGD's)
 
 
 @dataclass

@@ -338,6 +338,7 @@ def check_compress(cfg: DictConfig, need) -> None:
     need(0 < c.ratio <= 1, f"compress.ratio must be in (0, 1] (the share of the update's entries sent), got {c.ratio}")
     need(2 <= c.bits <= 32, f"compress.bits must be in [2, 32] (a sign bit and at least one of level), got {c.bits}")
     need(c.bucket >= 1, f"compress.bucket must be >= 1, got {c.bucket}")
+    need(c.sign_scale in ("update", "tensor"), f"compress.sign_scale must be update or tensor, got {c.sign_scale!r}")
     if c.up == "none":
         need(not c.error_feedback, "compress.error_feedback needs a codec: set compress.up (topk, randk, qsgd, sign)")
         return
