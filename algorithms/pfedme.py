@@ -17,7 +17,10 @@ Compared with the authors' code (CharlieDinh/pFedMe, userpFedMe.py `train` and
 pFedMeOptimizer: theta <- theta - personal_lr (grad + lambda (theta - w) + mu theta), K
 steps on each batch, then w <- w - lambda learning_rate (w - theta); serverpFedMe.py
 `persionalized_aggregate_parameters`: (1 - beta) previous + beta sample-weighted mean).
-Defaults are theirs for MNIST (lambda 15, personal_lr 0.09, K 5, beta 1). Not followed: their
+Defaults are theirs for MNIST (lambda 15, personal_lr 0.09, K 5, beta 1), whose models are
+an MLP and logistic regression: theta's step is stable only where personal_lr (L + lambda) < 2,
+L the batch loss's curvature, which for the zoo's CNN on MNIST is ~20-25 after one round
+(docs/algorithms.md): there use personal_lr 0.01 (a diverged run says so). Not followed: their
 server has every client train every round and aggregates the selected ones only; here only
 the selected clients train (as FL-bench's and PFLlib's pFedMe). The w step goes through the
 shared training loop (`local.momentum`, `local.weight_decay` apply; the authors' is plain:
@@ -31,6 +34,7 @@ from torch.func import functional_call
 
 from raysim.aggregation.optimizers import SGD
 from raysim.contract import Client, ClientResult
+from raysim.errors import ConfigError
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
 from raysim.training import base_loss, cpu_state, local_sgd
@@ -46,6 +50,13 @@ class PFedMeOptions(Options):
     mu: float = option(0.0, at_least=0)  # the authors' L2 term on theta (0 in their scripts)
     beta: float = option(1.0, above=0)  # the server's mix: (1 - beta) w + beta avg (1: FedAvg's mean)
 
+    def check(self, cfg, section: str) -> None:
+        # theta's step contracts (theta - w) by 1 - personal_lr x lam: past -1 it grows whatever the loss
+        if self.personal_lr * self.lam >= 2:
+            raise ConfigError(f"{section}.personal_lr x {section}.lam must be under 2 for theta's inner step to be "
+                              f"stable (it is stable only where personal_lr x (L + lam) < 2, L the batch loss's "
+                              f"curvature), got {self.personal_lr} x {self.lam} = {self.personal_lr * self.lam:g}")
+
 
 @ALGORITHMS.register("pfedme")
 class PFedMe(FedAvg):
@@ -55,6 +66,21 @@ class PFedMe(FedAvg):
     server_parts = ("aggregator", "privacy")
     own_server_rule = "its server step is (1 - beta) w + beta avg, set by pfedme.beta"
     trains_privately = False  # theta's inner problem is no per-sample mean through the layers
+
+    @classmethod
+    def divergence_hint(cls, cfg) -> str:
+        o = cfg.pfedme
+        bound = 2 / float(o.personal_lr) - float(o.lam)
+        return (f"pFedMe's inner step on theta is stable only where pfedme.personal_lr x (L + pfedme.lam) < 2 for "
+                f"the batch loss's curvature L: here L under {bound:.3g} (a CNN's on MNIST is ~20-25 after one round, "
+                f"docs/algorithms.md); try a smaller pfedme.personal_lr (now {o.personal_lr}), e.g. 0.01")
+
+    @classmethod
+    def config_notes(cls, cfg) -> list:
+        if float(cfg.local.momentum):
+            return [f"algorithm=pfedme: local.momentum={cfg.local.momentum} applies to w's step, which the authors' "
+                    "code takes without momentum (set local.momentum=0 to follow it)"]
+        return []
 
     def server_optimizer(self) -> SGD:
         step = SGD(self.cfg.server)

@@ -266,6 +266,16 @@ class Algorithm:
         `server.run_clients(..., method=NAME)` has the same shape."""
         raise NotImplementedError
 
+    @classmethod
+    def divergence_hint(cls, cfg: DictConfig) -> str:
+        """What to try when a run of it diverges (the runtime's stop message ends with it)."""
+        return f"Try a smaller local.lr (now {cfg.local.lr}) or local.momentum (now {cfg.local.momentum})"
+
+    @classmethod
+    def config_notes(cls, cfg: DictConfig) -> list:
+        """Lines the config's log notes for this algorithm (settings that work against it)."""
+        return []
+
     uploaded: ClassVar[Optional[Callable]] = None
     """Optional client-side hook `uploaded(client, payload, trained, received)`, called after
     `compress.up` encoded a `client_update`'s model: `trained` is the model it returned,

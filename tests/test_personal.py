@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raysim.config import load_config
+from raysim.config import ConfigError, load_config
 from raysim.run import main
 from raysim.testing import InProcessServer
 from raysim.training import cpu_state
@@ -355,3 +355,17 @@ def test_apfl_trains_on_augmented_batches(ray_local, tmp_path):
     assert main([*common, "run_name=aug", "local.augment=crop_flip"]) == 0
     plain, aug = _model(tmp_path / "plain"), _model(tmp_path / "aug")
     assert any(not torch.equal(plain[k], aug[k]) for k in plain)
+
+
+def test_pfedme_refuses_an_inner_step_that_cannot_be_stable_and_notes_momentum():
+    """theta's step scales (theta - w) by 1 - personal_lr x lam: at personal_lr x lam >= 2 it
+    grows whatever the loss, refused in one line; a w step with momentum, which the authors'
+    code does not have, is noted in the config's log."""
+    from raysim.config import describe_layers, read_layers, resolve
+
+    with pytest.raises(ConfigError, match=r"pfedme.personal_lr x pfedme.lam must be under 2 .* got 0.2 x 15.0 = 3"):
+        load_config(overrides=["algorithm=pfedme", "pfedme.personal_lr=0.2"])
+    notes = lambda *o: describe_layers(read_layers((), ["algorithm=pfedme", *o]),  # noqa: E731
+                                       resolve(read_layers((), ["algorithm=pfedme", *o])))
+    assert any("local.momentum=0.9 applies to w's step" in line for line in notes())
+    assert not any("local.momentum" in line for line in notes("local.momentum=0"))

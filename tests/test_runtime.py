@@ -290,6 +290,12 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_the_rounds_before(ray_loca
     assert s["status"] == "diverged" and s["diverged_round"] == 3 and s["final_accuracy"] > 0.1
     assert s["client_processors"] and "torch" in s["client_processors"][0]  # where its bits came from
     assert not (d / "model.pt").exists()  # no NaN model is left as the run's result
+    # an algorithm with a step of its own names it (Algorithm.divergence_hint): pFedMe's inner step, not local.lr
+    assert main([*BASE, "rounds=3", "plugins=[stateful_plugin]", "algorithm=test_pfedme_nan_in_round_2",
+                 f"output_dir={tmp_path}", "run_name=nan2"]) == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and "pfedme.personal_lr x (L + pfedme.lam) < 2" in err[0] and "L under 7.22" in err[0]
+    assert "local.lr" not in err[0]
 
 
 def test_footprint_counts_buffers_once_and_gives_expanded_parts_what_they_hold():

@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--record", help="write the reference's figures per round to this JSON file")
-    ap.add_argument("--perturb", type=float, default=0.0,
-                    help="also run the reference from the initial weights times (1 + this), e.g. 6e-8 (an ulp): "
-                         "how fast its own rounding differences grow, beside raysim's")
+    ap.add_argument("--perturb", type=float, nargs="*", default=[],
+                    help="also run the reference from the initial weights times (1 + each of these), e.g. 6e-8 "
+                         "(an ulp): how fast its own rounding differences grow, and where it goes, beside raysim's")
     ap.add_argument("overrides", nargs="*", help="raysim overrides (dataset, model, clients, local.*)")
     a = ap.parse_args(argv)
     overrides = [*ALGORITHMS[a.algorithm], *a.overrides]
@@ -119,11 +119,12 @@ def main(argv=None) -> int:
         zero = copy_model(server.algorithm.model)
         zero.load_state_dict({k: torch.zeros_like(v) for k, v in zero.state_dict().items()})
         state.update(c_global=zero, c_local={})
-    twin = None
-    if a.perturb:
+    twins = []
+    for eps in a.perturb:
         twin = {k: (copy_model(v) if k != "c_local" else {}) for k, v in state.items()}
-        twin["model"].load_state_dict({k: v * (1 + a.perturb) if v.is_floating_point() else v
+        twin["model"].load_state_dict({k: v * (1 + eps) if v.is_floating_point() else v
                                        for k, v in twin["model"].state_dict().items()})
+        twins.append(twin)
     x_test, y_test = server.test
     test_loader = [[(x_test[:256], y_test[:256])]]
     from raysim.training import evaluate
@@ -136,9 +137,10 @@ def main(argv=None) -> int:
         ours = server.algorithm.model.state_dict()
         theirs = state["model"].state_dict()
         line = f"round {rnd}: max |raysim - NIID-Bench| model {max_difference(ours, theirs):.3g}"
-        if twin is not None:
-            twin = reference_round(niid, a.algorithm, server, rnd, twin, test_loader)
-            line += f" (NIID-Bench vs itself perturbed {max_difference(twin['model'].state_dict(), theirs):.3g})"
+        twins = [reference_round(niid, a.algorithm, server, rnd, t, test_loader) for t in twins]
+        if twins:
+            line += (" (NIID-Bench vs itself perturbed " +
+                     ", ".join(f"{max_difference(t['model'].state_dict(), theirs):.3g}" for t in twins) + ")")
         record = {"model": figures(theirs)}
         if a.algorithm == "scaffold":
             c_theirs = state["c_global"].state_dict()
@@ -146,6 +148,9 @@ def main(argv=None) -> int:
             record["c"] = figures({k: c_theirs[k] for k in server.algorithm.c})
         acc = [evaluate(m, x_test, y_test, server.num_classes)["accuracy"] for m in (server.algorithm.model, state["model"])]
         line += f"; accuracy raysim {acc[0]:.4f}, NIID-Bench {acc[1]:.4f}"
+        if twins:
+            line += " (perturbed: " + ", ".join(
+                f"{evaluate(t['model'], x_test, y_test, server.num_classes)['accuracy']:.4f}" for t in twins) + ")"
         print(line, flush=True)
         rounds.append(record)
     if a.record:

@@ -150,6 +150,7 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
     for key, value in defaulted_model_options(layers, cfg).items():
         lines.append(f"note: algorithm={cfg.algorithm} needs model_options.{key}={value} of model={cfg.model} "
                      f"(set model_options.{key} to choose)")
+    lines += [f"note: {line}" for line in registry.ALGORITHMS.get(cfg.algorithm).config_notes(cfg)]
     return lines
 
 

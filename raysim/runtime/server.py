@@ -455,9 +455,8 @@ class FederatedServer:
                 what.append(f"model {name!r} has non-finite weights ({bad[0]}{' and more' if len(bad) > 1 else ''})")
         if not what:
             return
-        loc = self.cfg.local
-        self.stop_early(rnd, "diverged", RunDiverged, f"{self.cfg.algorithm} diverged: {'; '.join(what)}. Try a "
-                        f"smaller local.lr (now {loc.lr}) or local.momentum (now {loc.momentum})")
+        hint = type(self.algorithm).divergence_hint(self.cfg)
+        self.stop_early(rnd, "diverged", RunDiverged, f"{self.cfg.algorithm} diverged: {'; '.join(what)}. {hint}")
 
     def _where_trained(self) -> dict:
         """Summary fields: where the client actors ran and what their bits depend on

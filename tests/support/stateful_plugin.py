@@ -51,6 +51,18 @@ class NaNInRound3(FedAvg):
         return result
 
 
+@ALGORITHMS.register("test_pfedme_nan_in_round_2")
+class PFedMeNaNInRound2(__import__("raysim.algorithms.pfedme", fromlist=["PFedMe"]).PFedMe):
+    """pFedMe whose clients blow up in round 2, as an unstable inner step does."""
+
+    def client_update(self, client, payload):
+        result = super().client_update(client, payload)
+        if client.round == 2:
+            result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
+            result.metrics["loss"] = float("nan")
+        return result
+
+
 @ALGORITHMS.register("test_join_recorder")
 class JoinRecorder(FedAvg):
     """FedAvg that records the newcomers the server announces, as a per-round metric."""
