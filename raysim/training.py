@@ -128,7 +128,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
               epochs: Optional[int] = None, steps: Optional[int] = None,
               on_gradients: Optional[Callable[[], None]] = None,
               after_step: Optional[Callable[[], None]] = None, lr: Optional[float] = None,
-              batch_size: Optional[int] = None) -> dict:
+              batch_size: Optional[int] = None, momentum: Optional[float] = None,
+              weight_decay: Optional[float] = None) -> dict:
     """SGD on the client's data per `cfg.local` (lr with per-round decay, momentum, weight
     decay, batch size; `steps` > 0 replaces epochs; epochs default to `client.epochs`,
     which differs from `local.epochs` for stragglers). Batches come from the client's
@@ -138,7 +139,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     `privacy.mode=local`: DP-SGD instead (privacy/local.py; the config admits only
     algorithms whose loss is a per-sample mean and that pass neither hook). `lr` replaces
     the round's lr (FedBABU's fine-tuning), `batch_size` `local.batch_size` (Per-FedAvg
-    splits each batch into its inner and outer ones).
+    splits each batch into its inner and outer ones), `momentum` and `weight_decay` the
+    config's (Per-FedAvg's meta step is plain SGD).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
@@ -148,7 +150,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
         from raysim.privacy.local import private_sgd
 
         return private_sgd(client, model, loss_fn, epochs, steps, lr)
-    opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum), weight_decay=float(loc.weight_decay))
+    opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum if momentum is None else momentum),
+              weight_decay=float(loc.weight_decay if weight_decay is None else weight_decay))
     n, bs = client.num_samples, int(loc.batch_size if batch_size is None else batch_size)
     skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one
     model.train()

@@ -69,7 +69,7 @@ def test_fedbn_gives_a_model_with_a_norm_option_batchnorm_and_refuses_one_withou
 
 # (algorithm, its model, overrides for learning, the personal accuracy its last 3 rounds reach on digits)
 LEARNS = [("fedbn", ["model=resnet8"], ["partition=dirichlet", "partition.beta=0.5", "rounds=8", "local.lr=0.1"], 0.75),
-          ("perfedavg", ["model=mlp", "perfedavg.beta=0.05"], ["participation=1.0", "rounds=10"], 0.85),
+          ("perfedavg", ["model=mlp", "perfedavg.beta=0.2"], ["participation=1.0", "rounds=10"], 0.85),
           ("pfedme", ["model=mlp"], ["participation=1.0", "rounds=10"], 0.8),
           ("fedrod", ["model=mlp"], ["rounds=8"], 0.85),
           ("fedproto", ["model=mlp"], ["participation=1.0", "rounds=6"], 0.9),
@@ -177,6 +177,30 @@ def test_perfedavg_steps_from_w_with_beta_and_adapts_one_step_at_alpha_for_evalu
     g = _grad(w, X, Y)
     assert p.metrics["steps"] == 1
     assert all(torch.allclose(p.update[k], w[k] - 0.5 * g[k], atol=1e-6) for k in w)
+
+
+def test_perfedavgs_meta_step_is_plain_sgd_at_the_local_lr_by_default():
+    """Both references' meta optimiser is plain SGD (FL-bench's `meta_optimizer`, PFLlib's
+    PerAvgOptimizer): with local.momentum 0.9 and weight decay set, two meta steps (each a
+    batch of 2 x 2: one pass over the 4 samples, a new permutation each) move w by beta =
+    local.lr (PFLlib's beta = lr) times each meta-gradient, with no momentum carried from the
+    first step to the second and no decay. (Before issue 71: beta 0.001 through the
+    shared optimiser's momentum and decay.)"""
+    from raysim.seeds import seed_for
+
+    s = server_for("perfedavg", "local.batch_size=2", "local.steps=2", "local.momentum=0.9",
+                   "local.weight_decay=0.01")
+    w = cpu_state(s.algorithm.model)
+    g = torch.Generator().manual_seed(seed_for(int(s.cfg.seed), 1, 0))
+    for _ in range(2):  # each step is one whole batch of 4 = one pass: a new permutation each
+        perm = torch.randperm(4, generator=g)
+        x, y = X[perm], Y[perm]
+        v = _grad({k: w[k] - 0.5 * _grad(w, x[:2], y[:2])[k] for k in w}, x[2:], y[2:])
+        w = {k: w[k] - 0.5 * v[k] for k in w}
+    (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
+    assert r.metrics["steps"] == 2 and r.metrics["lr"] == 0.5
+    for k in w:
+        assert torch.allclose(r.update[k], w[k], atol=1e-6), k
 
 
 def test_perfedavg_splits_a_short_batch_and_never_trains_on_one_sample():
