@@ -35,6 +35,8 @@ def test_raysim_lands_on_the_reference_codes_recorded_figures(record):
         close(server.algorithm.model.state_dict(), figures["model"], f"{record.stem} round {rnd} model")
         if "c" in figures:  # SCAFFOLD's server variate
             close(server.algorithm.c, figures["c"], f"{record.stem} round {rnd} c")
+        for cid, part in figures.get("personal", {}).items():  # a client's own part (its client state)
+            close(server.states[int(cid)][rec["personal_state"]], part, f"{record.stem} round {rnd} client {cid}")
 
 
 def test_the_figures_can_tell_a_wrong_step():

@@ -85,10 +85,12 @@ def copy_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
-def write_record(path: str, reference: str, commit: str, overrides: list[str], rounds: list[dict]) -> None:
-    """The reference's figures per round, for tests/test_reference_figures.py."""
+def write_record(path: str, reference: str, commit: str, overrides: list[str], rounds: list[dict],
+                 **extra) -> None:
+    """The reference's figures per round, for tests/test_reference_figures.py (`extra`: what
+    the test needs to find them in raysim, e.g. the client-state key of a personal part)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"reference": reference, "commit": commit, "overrides": overrides,
+    Path(path).write_text(json.dumps({"reference": reference, "commit": commit, "overrides": overrides, **extra,
                                       "rounds": rounds}, indent=1) + "\n")
 
 

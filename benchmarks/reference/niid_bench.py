@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--record", help="write the reference's figures per round to this JSON file")
-    ap.add_argument("--perturb", type=float, nargs="*", default=[],
-                    help="also run the reference from the initial weights times (1 + each of these), e.g. 6e-8 "
-                         "(an ulp): how fast its own rounding differences grow, and where it goes, beside raysim's")
+    ap.add_argument("--perturb", type=lambda v: [float(e) for e in v.split(",")], default=[],
+                    help="comma-separated: also run the reference from the initial weights times (1 + each), e.g. "
+                         "6e-8,-6e-8 (an ulp): how fast its own rounding differences grow, and where it goes")
     ap.add_argument("overrides", nargs="*", help="raysim overrides (dataset, model, clients, local.*)")
     a = ap.parse_args(argv)
     overrides = [*ALGORITHMS[a.algorithm], *a.overrides]

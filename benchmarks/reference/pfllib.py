@@ -1,0 +1,178 @@
+"""raysim beside PFLlib's own clients (TsingZ0/PFLlib, system/flcore/clients/) on the same
+problem, round by round (issue 71, item 8).
+
+    python benchmarks/reference/pfllib.py --reference PATH --algorithm fedrep [--rounds 3] \\
+        [--record tests/reference/pfllib_fedrep.json] [raysim overrides ...]
+
+PATH is a checkout of PFLlib (the project ships no reference code). Each client is PFLlib's
+own client object (clientper, clientrep, clientrod, clientditto), built once and kept across
+rounds as PFLlib's server keeps them, on a model that is raysim's, split as PFLlib's
+`BaseHeadSplit` splits it (`base` = raysim's encoder, `head` = its head). Its
+`load_train_data` is replaced by raysim's batches for that client and round, in raysim's
+order (a new permutation of its samples from the client's generator at every pass; raysim
+keeps the last short batch, PFLlib's DataLoader drops it). The server's steps are PFLlib's
+serverbase / serverX ones, restated here (they read their clients from files): send the
+global model (or its base) with the client's `set_parameters`, run the client's training
+calls in PFLlib's order, and average the uploaded models (or bases) by training samples.
+raysim runs its InProcessServer on the same config; printed per round: the largest difference
+between the two servers' models and between the clients' personal parts.
+
+PFLlib trains with plain SGD: run with local.momentum=0 local.weight_decay=0 (the driver
+sets both).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import commit_of, figures, max_difference, raysim_server, write_record  # noqa: E402
+
+ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client module and class
+    "fedper": (["algorithm=fedper", "personal.buffers=local"], "clientper", "clientPer"),
+    "fedrep": (["algorithm=fedrep", "fedrep.head_epochs=1", "personal.buffers=local"], "clientrep", "clientRep"),
+    "fedrod": (["algorithm=fedrod"], "clientrod", "clientROD"),
+    "ditto": (["algorithm=ditto", "ditto.lam=0.5", "ditto.personal_epochs=1"], "clientditto", "clientDitto"),
+}
+PLAIN = ["local.momentum=0", "local.weight_decay=0"]
+
+
+class BaseHead(torch.nn.Module):
+    """raysim's model as PFLlib's BaseHeadSplit: `base` its encoder, `head` its head."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.base, self.head = copy.deepcopy(model.encoder), copy.deepcopy(model.head)
+
+    def forward(self, x):
+        return self.head(self.base(x))
+
+
+def raysim_keys(state: dict, prefix: str = "") -> dict:
+    """A PFLlib model's state under raysim's names (base. -> encoder.)."""
+    out = {}
+    for k, v in state.items():
+        k = prefix + k
+        out["encoder." + k[len("base."):] if k.startswith("base.") else k] = v
+    return out
+
+
+class Batches:
+    """What a PFLlib client's `load_train_data` returns here: each pass draws the next
+    permutation of the client's samples from its raysim generator (as raysim's local_sgd does
+    each epoch) and cuts it in batches of `bs`, the last short batch kept."""
+
+    def __init__(self, x, y, generator, bs):
+        self.x, self.y, self.generator, self.bs = x, y, generator, bs
+
+    def __iter__(self):
+        if self.generator is None:  # a pass outside training (FedRoD counts its labels): in order
+            return iter([(self.x, self.y)])
+        perm = torch.randperm(len(self.y), generator=self.generator)
+        return iter([(self.x[perm[s:s + self.bs]], self.y[perm[s:s + self.bs]]) for s in range(0, len(self.y), self.bs)])
+
+    def __len__(self):
+        return -(-len(self.y) // self.bs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", required=True, help="a checkout of TsingZ0/PFLlib")
+    ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--record", help="write the reference's figures per round to this JSON file")
+    ap.add_argument("overrides", nargs="*", help="raysim overrides (dataset, model, clients, local.*)")
+    a = ap.parse_args(argv)
+    settings, module, cls = ALGORITHMS[a.algorithm]
+    overrides = [*settings, *PLAIN, *a.overrides]
+    server = raysim_server(overrides)
+    cfg = server.cfg
+    root = Path(a.reference).resolve() / "system"
+    if not (root / "flcore" / "clients" / f"{module}.py").exists():
+        raise SystemExit(f"--reference {a.reference}: no system/flcore/clients/{module}.py; point it at a PFLlib checkout")
+    sys.path.insert(0, str(root))
+    import importlib
+
+    base_client = importlib.import_module("flcore.clients.clientbase").Client
+    client_cls = getattr(importlib.import_module(f"flcore.clients.{module}"), cls)
+    loaders: dict = {}  # cid -> the Batches of its current round (None: a pass in order)
+
+    def load_train_data(self, batch_size=None):
+        x, y = server.data[self.id]
+        return Batches(x, y, loaders.get(self.id), int(batch_size or self.batch_size))
+
+    base_client.load_train_data = load_train_data
+    torch.set_num_threads(1)
+    initial = BaseHead(server.algorithm.model)
+    args = SimpleNamespace(model=initial, algorithm=a.algorithm, dataset="raysim", device="cpu",
+                           save_folder_name="/tmp", num_classes=server.num_classes,
+                           batch_size=int(cfg.local.batch_size), local_learning_rate=float(cfg.local.lr),
+                           local_epochs=int(cfg.local.epochs), few_shot=0, learning_rate_decay_gamma=1.0,
+                           learning_rate_decay=False,
+                           plocal_epochs=int(cfg.fedrep.head_epochs) if a.algorithm == "fedrep" else
+                           int(cfg.ditto.personal_epochs) if a.algorithm == "ditto" else 1,
+                           mu=float(cfg.ditto.lam) if a.algorithm == "ditto" else 0.0)
+    clients = {c: client_cls(args, id=c, train_samples=len(server.data[c][1]), test_samples=0,
+                             train_slow=False, send_slow=False) for c in range(server.num_clients)}
+    global_model = copy.deepcopy(initial)
+    shared_base = a.algorithm in ("fedper", "fedrep")  # PFLlib's serverper / serverrep send and average the base
+    print(f"PFLlib {commit_of(a.reference)[:12]} vs raysim, {a.algorithm}: {' '.join(overrides)}")
+    rounds = []
+    for rnd in range(1, a.rounds + 1):
+        cids = server.select_clients(rnd)
+        for c in cids:  # the client's raysim generator for this round: every pass draws from it
+            loaders[c] = server._client(rnd, c, False).generator
+            clients[c].set_parameters(global_model.base if shared_base else global_model)
+            if a.algorithm == "ditto":
+                clients[c].ptrain()
+            clients[c].train()
+        total = sum(clients[c].train_samples for c in cids)
+        uploads = [(clients[c].train_samples / total, clients[c].model.base if shared_base else clients[c].model)
+                   for c in cids]
+        target = global_model.base if shared_base else global_model  # serverbase.aggregate_parameters
+        for p in target.parameters():
+            p.data.zero_()
+        for w, m in uploads:
+            for p, q in zip(target.parameters(), m.parameters()):
+                p.data += q.data.clone() * w
+        server.round(rnd)
+        theirs = raysim_keys(global_model.state_dict())
+        ours = server.algorithm.model.state_dict()
+        shared = {k: theirs[k] for k in ours if k in theirs and (not shared_base or k.startswith("encoder."))}
+        line = f"round {rnd}: max |raysim - PFLlib| server {max_difference({k: ours[k] for k in shared}, shared):.3g}"
+        personal, rounds_personal = {}, {}
+        for c in cids:
+            mine = server.states.get(c, {})
+            if a.algorithm in ("fedper", "fedrep"):
+                theirs_c = raysim_keys(clients[c].model.head.state_dict(), "head.")
+                ours_c = mine.get("kept", {})
+            elif a.algorithm == "fedrod":
+                theirs_c = {f"personal.{k}": v for k, v in clients[c].head.state_dict().items()}
+                ours_c = mine.get("kept", {})
+            else:  # ditto: v
+                theirs_c = raysim_keys(clients[c].model_per.state_dict())
+                ours_c = mine.get("v", {})
+            common = [k for k in theirs_c if k in ours_c]
+            if common:
+                personal[c] = max_difference({k: ours_c[k] for k in common}, {k: theirs_c[k] for k in common})
+                rounds_personal[str(c)] = figures({k: theirs_c[k] for k in common})
+        if personal:
+            line += f", clients' own parts {max(personal.values()):.3g} ({len(personal)} clients)"
+        print(line, flush=True)
+        rounds.append({"model": figures(shared), **({"personal": rounds_personal} if personal else {})})
+    if a.record:  # the clients' own parts of the last round only (a model per client)
+        for r in rounds[:-1]:
+            r.pop("personal", None)
+        write_record(a.record, f"TsingZ0/PFLlib system/flcore/clients/{module}.py", commit_of(a.reference), overrides,
+                     rounds, personal_state="v" if a.algorithm == "ditto" else "kept")
+        print(f"recorded: {a.record}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
