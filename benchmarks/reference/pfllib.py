@@ -5,7 +5,7 @@ problem, round by round (issue 71, item 8).
         [--record tests/reference/pfllib_fedrep.json] [raysim overrides ...]
 
 PATH is a checkout of PFLlib (the project ships no reference code). Each client is PFLlib's
-own client object (clientper, clientrep, clientrod, clientditto), built once and kept across
+own client object (clientper, clientrep, clientrod, clientditto, clientpFedMe), built once and kept across
 rounds as PFLlib's server keeps them, on a model that is raysim's, split as PFLlib's
 `BaseHeadSplit` splits it (`base` = raysim's encoder, `head` = its head). Its
 `load_train_data` is replaced by raysim's batches for that client and round, in raysim's
@@ -38,6 +38,9 @@ ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client m
     "fedrep": (["algorithm=fedrep", "fedrep.head_epochs=1", "personal.buffers=local"], "clientrep", "clientRep"),
     "fedrod": (["algorithm=fedrod"], "clientrod", "clientROD"),
     "ditto": (["algorithm=ditto", "ditto.lam=0.5", "ditto.personal_epochs=1"], "clientditto", "clientDitto"),
+    # PFLlib's pFedMeOptimizer has mu = 0.001 (its default, never passed): raysim's pfedme.mu set alike
+    "pfedme": (["algorithm=pfedme", "pfedme.mu=0.001", "pfedme.personal_lr=0.05", "pfedme.lam=15", "pfedme.k=5",
+                "pfedme.beta=1.0"], "clientpFedMe", "clientpFedMe"),
 }
 PLAIN = ["local.momentum=0", "local.weight_decay=0"]
 
@@ -116,10 +119,22 @@ def main(argv=None) -> int:
                            learning_rate_decay=False,
                            plocal_epochs=int(cfg.fedrep.head_epochs) if a.algorithm == "fedrep" else
                            int(cfg.ditto.personal_epochs) if a.algorithm == "ditto" else 1,
-                           mu=float(cfg.ditto.lam) if a.algorithm == "ditto" else 0.0)
+                           mu=float(cfg.ditto.lam) if a.algorithm == "ditto" else 0.0,
+                           lamda=float(cfg.pfedme.lam) if a.algorithm == "pfedme" else 0.0,
+                           K=int(cfg.pfedme.k) if a.algorithm == "pfedme" else 0,
+                           p_learning_rate=float(cfg.pfedme.personal_lr) if a.algorithm == "pfedme" else 0.0)
     clients = {c: client_cls(args, id=c, train_samples=len(server.data[c][1]), test_samples=0,
                              train_slow=False, send_slow=False) for c in range(server.num_clients)}
     global_model = copy.deepcopy(initial)
+    thetas: dict = {}  # pFedMe: theta as training leaves it, before update_parameters writes w over it
+    if a.algorithm == "pfedme":
+        # PFLlib's `personalized_params` are the model's own parameter objects, which train()'s last
+        # line overwrites with w (the authors' issue #5: what they test as personalised is w)
+        for c, client in clients.items():
+            def snapshot(model, new_params, c=c, original=client.update_parameters):
+                thetas[c] = [p.data.clone() for p in model.parameters()]
+                original(model, new_params)
+            client.update_parameters = snapshot
     shared_base = a.algorithm in ("fedper", "fedrep")  # PFLlib's serverper / serverrep send and average the base
     print(f"PFLlib {commit_of(a.reference)[:12]} vs raysim, {a.algorithm}: {' '.join(overrides)}")
     rounds = []
@@ -135,11 +150,16 @@ def main(argv=None) -> int:
         uploads = [(clients[c].train_samples / total, clients[c].model.base if shared_base else clients[c].model)
                    for c in cids]
         target = global_model.base if shared_base else global_model  # serverbase.aggregate_parameters
+        previous = [p.data.clone() for p in target.parameters()]
         for p in target.parameters():
             p.data.zero_()
         for w, m in uploads:
             for p, q in zip(target.parameters(), m.parameters()):
                 p.data += q.data.clone() * w
+        if a.algorithm == "pfedme":  # serverpFedMe.beta_aggregate_parameters
+            beta = float(cfg.pfedme.beta)
+            for pre, p in zip(previous, target.parameters()):
+                p.data = (1 - beta) * pre + beta * p.data
         server.round(rnd)
         theirs = raysim_keys(global_model.state_dict())
         ours = server.algorithm.model.state_dict()
@@ -154,6 +174,10 @@ def main(argv=None) -> int:
             elif a.algorithm == "fedrod":
                 theirs_c = {f"personal.{k}": v for k, v in clients[c].head.state_dict().items()}
                 ours_c = mine.get("kept", {})
+            elif a.algorithm == "pfedme":  # theta, the personalised model, as its training left it
+                names = [n for n, _ in clients[c].model.named_parameters()]
+                theirs_c = raysim_keys(dict(zip(names, thetas[c])))
+                ours_c = mine.get("theta", {})
             else:  # ditto: v
                 theirs_c = raysim_keys(clients[c].model_per.state_dict())
                 ours_c = mine.get("v", {})
@@ -169,7 +193,7 @@ def main(argv=None) -> int:
         for r in rounds[:-1]:
             r.pop("personal", None)
         write_record(a.record, f"TsingZ0/PFLlib system/flcore/clients/{module}.py", commit_of(a.reference), overrides,
-                     rounds, personal_state="v" if a.algorithm == "ditto" else "kept")
+                     rounds, personal_state={"ditto": "v", "pfedme": "theta"}.get(a.algorithm, "kept"))
         print(f"recorded: {a.record}")
     return 0
 
