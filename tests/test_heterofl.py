@@ -194,3 +194,27 @@ def test_the_scaler_divides_a_narrow_clients_hidden_outputs_by_its_rate_in_train
     expected = half.head(features / 0.5) if scaled else half.head(features)
     assert torch.allclose(half(x), expected, atol=1e-6)
     assert scaled == (not torch.allclose(half(x), half.head(features), atol=1e-4))
+
+
+def test_a_clients_loss_zeroes_the_logits_of_the_classes_it_lacks():
+    """heterofl.mask (the authors' default): a client holding classes 0 and 2 of 3 trains on
+    the cross-entropy of logits whose class-1 column is 0 (not dropped, not -inf: the authors'
+    `masked_fill(label_mask == 0, 0)`); with mask=false, the plain cross-entropy."""
+    import torch.nn.functional as F
+
+    from raysim.training import new_client
+
+    cfg = load_config(overrides=["algorithm=heterofl", "model=mlp", "model_options.hidden=[8]"])
+    algo = set_up(cfg, None, (4,), 3)
+    torch.manual_seed(3)
+    model = build_model("mlp", (4,), 3, {"hidden": [8]})
+    x, y = torch.randn(6, 4), torch.tensor([0, 2, 2, 0, 0, 2])
+    client = new_client(cfg, 1, 0, x, y, 3, {}, model, epochs=1)
+    logits = model(x)
+    masked = logits.clone()
+    masked[:, 1] = 0.0
+    got = algo.local_loss_for(client, torch.tensor([0, 2]))(model, x, y)
+    assert torch.allclose(got, F.cross_entropy(masked, y), atol=1e-6)
+    assert not torch.allclose(got, F.cross_entropy(logits, y), atol=1e-4)
+    plain = set_up(load_config(overrides=["algorithm=heterofl", "model=mlp", "heterofl.mask=false"]), None, (4,), 3)
+    assert torch.allclose(plain.local_loss_for(client, None)(model, x, y), F.cross_entropy(logits, y), atol=1e-6)
