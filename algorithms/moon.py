@@ -127,6 +127,7 @@ class Moon(FedAvg):
         glob.load_state_dict(payload["weights"])
         c = self.cfg.moon
         mu, t = float(c.mu), float(c.temperature)
+        empty_pool = False
         if mu == 0:
             pass  # FedAvg's step: no frozen model is read
         elif "prev" in client.state:
@@ -134,7 +135,7 @@ class Moon(FedAvg):
         elif c.first_previous == "global":
             prev.load_state_dict(payload["weights"])
         elif client.round <= 1:
-            mu = 0.0  # the authors' round 1: no previous model in the pool, no contrastive term
+            mu, empty_pool = 0.0, True  # the authors' round 1: no previous model in the pool, no contrastive term
         else:
             prev.load_state_dict(self.initial_network(client))
         glob.eval()
@@ -146,7 +147,14 @@ class Moon(FedAvg):
                 z_glob, z_prev = representation_and_logits(glob, x)[0], representation_and_logits(prev, x)[0]
             return F.cross_entropy(logits, y) + mu * contrastive_loss(z, z_glob, z_prev, t)
 
-        stats = local_sgd(client, net, loss if mu else (lambda model, x, y: F.cross_entropy(model(x), y)))
+        def first_round(model, x, y):
+            # the authors' contrastive term over an empty pool: a softmax over one logit, 0 with a zero
+            # gradient that still reaches the projection head, so weight decay and momentum step it as theirs
+            z, logits = representation_and_logits(model, x)
+            return F.cross_entropy(logits, y) + 0.0 * z.sum()
+
+        stats = local_sgd(client, net, loss if mu else first_round if empty_pool else
+                          (lambda model, x, y: F.cross_entropy(model(x), y)))
         state = cpu_state(net)
         client.state["prev"] = state
         return ClientResult(client.cid, client.num_samples, state, stats)

@@ -81,6 +81,11 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
 
 
+def worst_key(a: dict, b: dict) -> str:
+    """The entry where `a` and `b` differ most."""
+    return max((k for k in a if a[k].is_floating_point()), key=lambda k: float((a[k].double() - b[k].double()).abs().max()))
+
+
 def copy_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 

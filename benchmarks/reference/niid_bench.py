@@ -31,14 +31,30 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (EpochLoader, client_batches, commit_of, copy_model, figures, import_reference,  # noqa: E402
-                     max_difference, raysim_server, write_record)
+                     max_difference, raysim_server, worst_key, write_record)
 
 ALGORITHMS = {  # raysim's settings that are NIID-Bench's reading
     "fedavg": ["algorithm=fedavg"],
     "fedprox": ["algorithm=fedprox", "fedprox.mu=0.01"],
     "scaffold": ["algorithm=scaffold", "scaffold.correction=weights", "scaffold.weighting=samples"],
     "fednova": ["algorithm=fednova"],
+    "moon": ["algorithm=moon", "moon.mu=1", "moon.temperature=0.5"],  # NIID-Bench's momentum is 0.9, fixed
 }
+
+
+class MoonView(torch.nn.Module):
+    """raysim's MOON network as NIID-Bench's `ModelFedCon` answers: (features, projection z,
+    logits), on the same parameters (raysim's classifier reads the encoder, `moon.classifier`)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        from raysim.algorithms.moon import representation_and_logits
+
+        z, logits = representation_and_logits(self.net, x)
+        return None, z, logits
 
 
 def reference_round(niid, algorithm: str, server, rnd: int, state: dict, test_loader) -> dict:
@@ -66,6 +82,11 @@ def reference_round(niid, algorithm: str, server, rnd: int, state: dict, test_lo
         elif algorithm == "fednova":
             _, _, a_i, d_i = niid.train_net_fednova(c, net, global_model, [loader], test_loader, epochs, lr, "sgd")
             extra[c] = (a_i, d_i)
+        elif algorithm == "moon":  # round 1: no previous model in the pool (old_nets_pool empty)
+            previous = [MoonView(state["prev"][c])] if c in state.setdefault("prev", {}) else []
+            niid.train_net_moon(c, MoonView(net), MoonView(global_model), previous, loader, test_loader, epochs, lr,
+                                "sgd", float(cfg.moon.mu), float(cfg.moon.temperature), niid.args, rnd - 1)
+            state["prev"][c] = copy_model(net)
         nets[c] = net
     if algorithm == "fednova":  # experiments.py's fednova branch
         d_total = {k: 0.0 for k in global_model.state_dict()}
@@ -112,7 +133,10 @@ def main(argv=None) -> int:
     if float(cfg.participation) != 1.0:
         raise SystemExit("participation must be 1.0: NIID-Bench's variates start from a random network's weights")
     niid = import_reference(a.reference, "experiments")
-    niid.args = SimpleNamespace(lr=float(cfg.local.lr), reg=float(cfg.local.weight_decay), rho=float(cfg.local.momentum))
+    niid.args = SimpleNamespace(lr=float(cfg.local.lr), reg=float(cfg.local.weight_decay), rho=float(cfg.local.momentum),
+                                loss="contrastive")
+    if a.algorithm == "moon" and float(cfg.local.momentum) != 0.9:
+        raise SystemExit("NIID-Bench's train_net_moon steps with momentum 0.9 whatever --rho: set local.momentum=0.9")
     torch.set_num_threads(1)  # the same reductions on both sides
     state = {"model": copy_model(server.algorithm.model)}
     if a.algorithm == "scaffold":
@@ -136,7 +160,7 @@ def main(argv=None) -> int:
         server.round(rnd)
         ours = server.algorithm.model.state_dict()
         theirs = state["model"].state_dict()
-        line = f"round {rnd}: max |raysim - NIID-Bench| model {max_difference(ours, theirs):.3g}"
+        line = f"round {rnd}: max |raysim - NIID-Bench| model {max_difference(ours, theirs):.3g} ({worst_key(ours, theirs)})"
         twins = [reference_round(niid, a.algorithm, server, rnd, t, test_loader) for t in twins]
         if twins:
             line += (" (NIID-Bench vs itself perturbed " +
