@@ -201,7 +201,8 @@ def test_moon_network_and_first_and_later_rounds():
     moon = Moon(cfg, 10, (1, 8, 8))
     torch.manual_seed(0)
     start = cpu_state(moon.build_model((1, 8, 8)))
-    # first round: no previous model, the global one stands in, l_con = log 2 is constant: FedAvg's step
+    # first round: no previous model, no contrastive term: FedAvg's step (the projection head, which FedAvg lacks,
+    # only decays: the reference's zero gradient reaches it)
     c1 = client_of(cfg, moon.build_model((1, 8, 8)), x_data, y_data, num_classes=10)
     r1 = moon.client_update(c1, {"weights": start})
     plain = moon.build_model((1, 8, 8))

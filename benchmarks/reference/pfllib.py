@@ -38,6 +38,9 @@ ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client m
     "fedrep": (["algorithm=fedrep", "fedrep.head_epochs=1", "personal.buffers=local"], "clientrep", "clientRep"),
     "fedrod": (["algorithm=fedrod"], "clientrod", "clientROD"),
     "ditto": (["algorithm=ditto", "ditto.lam=0.5", "ditto.personal_epochs=1"], "clientditto", "clientDitto"),
+    "lg_fedavg": (["algorithm=lg_fedavg", "personal.buffers=local"], "clientlg", "clientLG"),
+    "fedbabu": (["algorithm=fedbabu", "personal.buffers=local"], "clientbabu", "clientBABU"),
+    "apfl": (["algorithm=apfl", "apfl.variant=pfllib", "apfl.alpha=0.5"], "clientapfl", "clientAPFL"),
     # PFLlib's pFedMeOptimizer has mu = 0.001 (its default, never passed): raysim's pfedme.mu set alike
     "pfedme": (["algorithm=pfedme", "pfedme.mu=0.001", "pfedme.personal_lr=0.05", "pfedme.lam=15", "pfedme.k=5",
                 "pfedme.beta=1.0"], "clientpFedMe", "clientpFedMe"),
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
                            mu=float(cfg.ditto.lam) if a.algorithm == "ditto" else 0.0,
                            lamda=float(cfg.pfedme.lam) if a.algorithm == "pfedme" else 0.0,
                            K=int(cfg.pfedme.k) if a.algorithm == "pfedme" else 0,
-                           p_learning_rate=float(cfg.pfedme.personal_lr) if a.algorithm == "pfedme" else 0.0)
+                           p_learning_rate=float(cfg.pfedme.personal_lr) if a.algorithm == "pfedme" else 0.0,
+                           alpha=float(cfg.apfl.alpha) if a.algorithm == "apfl" else 0.0, fine_tuning_epochs=0)
     clients = {c: client_cls(args, id=c, train_samples=len(server.data[c][1]), test_samples=0,
                              train_slow=False, send_slow=False) for c in range(server.num_clients)}
     global_model = copy.deepcopy(initial)
@@ -135,21 +139,25 @@ def main(argv=None) -> int:
                 thetas[c] = [p.data.clone() for p in model.parameters()]
                 original(model, new_params)
             client.update_parameters = snapshot
-    shared_base = a.algorithm in ("fedper", "fedrep")  # PFLlib's serverper / serverrep send and average the base
+    # what PFLlib's server sends and averages: the base (serverper, serverrep, serverbabu), the head
+    # (serverlg), or the whole model
+    part = {"fedper": "base", "fedrep": "base", "fedbabu": "base", "lg_fedavg": "head"}.get(a.algorithm)
+
+    def sent(model):
+        return getattr(model, part) if part else model
     print(f"PFLlib {commit_of(a.reference)[:12]} vs raysim, {a.algorithm}: {' '.join(overrides)}")
     rounds = []
     for rnd in range(1, a.rounds + 1):
         cids = server.select_clients(rnd)
         for c in cids:  # the client's raysim generator for this round: every pass draws from it
             loaders[c] = server._client(rnd, c, False).generator
-            clients[c].set_parameters(global_model.base if shared_base else global_model)
+            clients[c].set_parameters(sent(global_model))
             if a.algorithm == "ditto":
                 clients[c].ptrain()
             clients[c].train()
         total = sum(clients[c].train_samples for c in cids)
-        uploads = [(clients[c].train_samples / total, clients[c].model.base if shared_base else clients[c].model)
-                   for c in cids]
-        target = global_model.base if shared_base else global_model  # serverbase.aggregate_parameters
+        uploads = [(clients[c].train_samples / total, sent(clients[c].model)) for c in cids]
+        target = sent(global_model)  # serverbase.aggregate_parameters
         previous = [p.data.clone() for p in target.parameters()]
         for p in target.parameters():
             p.data.zero_()
@@ -163,14 +171,24 @@ def main(argv=None) -> int:
         server.round(rnd)
         theirs = raysim_keys(global_model.state_dict())
         ours = server.algorithm.model.state_dict()
-        shared = {k: theirs[k] for k in ours if k in theirs and (not shared_base or k.startswith("encoder."))}
+        prefix = {"base": "encoder.", "head": "head.", None: ""}[part]
+        shared = {k: theirs[k] for k in ours if k in theirs and k.startswith(prefix)}
         line = f"round {rnd}: max |raysim - PFLlib| server {max_difference({k: ours[k] for k in shared}, shared):.3g}"
-        personal, rounds_personal = {}, {}
+        personal, rounds_personal, alphas = {}, {}, {}
         for c in cids:
             mine = server.states.get(c, {})
             if a.algorithm in ("fedper", "fedrep"):
                 theirs_c = raysim_keys(clients[c].model.head.state_dict(), "head.")
                 ours_c = mine.get("kept", {})
+            elif a.algorithm == "lg_fedavg":
+                theirs_c = raysim_keys(clients[c].model.base.state_dict(), "base.")
+                ours_c = mine.get("kept", {})
+            elif a.algorithm == "fedbabu":  # nothing of its own but buffers: the server's part says it all
+                theirs_c, ours_c = {}, {}
+            elif a.algorithm == "apfl":  # v, and alpha beside it
+                theirs_c = raysim_keys(clients[c].model_per.state_dict())
+                ours_c = mine.get("v", {})
+                alphas[c] = (float(mine.get("alpha", float("nan"))), float(clients[c].alpha))
             elif a.algorithm == "fedrod":
                 theirs_c = {f"personal.{k}": v for k, v in clients[c].head.state_dict().items()}
                 ours_c = mine.get("kept", {})
@@ -187,13 +205,15 @@ def main(argv=None) -> int:
                 rounds_personal[str(c)] = figures({k: theirs_c[k] for k in common})
         if personal:
             line += f", clients' own parts {max(personal.values()):.3g} ({len(personal)} clients)"
+        if alphas:
+            line += f", alpha {max(abs(x - y) for x, y in alphas.values()):.3g}"
         print(line, flush=True)
         rounds.append({"model": figures(shared), **({"personal": rounds_personal} if personal else {})})
     if a.record:  # the clients' own parts of the last round only (a model per client)
         for r in rounds[:-1]:
             r.pop("personal", None)
         write_record(a.record, f"TsingZ0/PFLlib system/flcore/clients/{module}.py", commit_of(a.reference), overrides,
-                     rounds, personal_state={"ditto": "v", "pfedme": "theta"}.get(a.algorithm, "kept"))
+                     rounds, personal_state={"ditto": "v", "pfedme": "theta", "apfl": "v"}.get(a.algorithm, "kept"))
         print(f"recorded: {a.record}")
     return 0
 
