@@ -32,7 +32,10 @@ def test_raysim_lands_on_the_reference_codes_recorded_figures(record):
     server.setup()
     for rnd, figures in enumerate(rec["rounds"], start=1):
         server.round(rnd)
-        close(server.algorithm.model.state_dict(), figures["model"], f"{record.stem} round {rnd} model")
+        if "model" in figures:
+            close(server.algorithm.model.state_dict(), figures["model"], f"{record.stem} round {rnd} model")
+        if "protos" in figures:  # FedProto's global prototypes (no weights are shared)
+            close({"protos": server.algorithm.protos}, figures["protos"], f"{record.stem} round {rnd} prototypes")
         if "c" in figures:  # SCAFFOLD's server variate
             close(server.algorithm.c, figures["c"], f"{record.stem} round {rnd} c")
         for cid, part in figures.get("personal", {}).items():  # a client's own part (its client state)

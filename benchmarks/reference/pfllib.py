@@ -41,6 +41,9 @@ ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client m
     "lg_fedavg": (["algorithm=lg_fedavg", "personal.buffers=local"], "clientlg", "clientLG"),
     "fedbabu": (["algorithm=fedbabu", "personal.buffers=local"], "clientbabu", "clientBABU"),
     "apfl": (["algorithm=apfl", "apfl.variant=pfllib", "apfl.alpha=0.5"], "clientapfl", "clientAPFL"),
+    # PFLlib pools every epoch's z, the authors (and collect=training) the last epoch's: the same at one epoch
+    "fedproto": (["algorithm=fedproto", "fedproto.collect=training", "fedproto.lam=1", "local.epochs=1"], "clientproto",
+                 "clientProto"),
     # PFLlib's pFedMeOptimizer has mu = 0.001 (its default, never passed): raysim's pfedme.mu set alike
     "pfedme": (["algorithm=pfedme", "pfedme.mu=0.001", "pfedme.personal_lr=0.05", "pfedme.lam=15", "pfedme.k=5",
                 "pfedme.beta=1.0"], "clientpFedMe", "clientpFedMe"),
@@ -127,6 +130,8 @@ def main(argv=None) -> int:
                            K=int(cfg.pfedme.k) if a.algorithm == "pfedme" else 0,
                            p_learning_rate=float(cfg.pfedme.personal_lr) if a.algorithm == "pfedme" else 0.0,
                            alpha=float(cfg.apfl.alpha) if a.algorithm == "apfl" else 0.0, fine_tuning_epochs=0)
+    if a.algorithm == "fedproto":
+        args.lamda = float(cfg.fedproto.lam)
     clients = {c: client_cls(args, id=c, train_samples=len(server.data[c][1]), test_samples=0,
                              train_slow=False, send_slow=False) for c in range(server.num_clients)}
     global_model = copy.deepcopy(initial)
@@ -151,10 +156,29 @@ def main(argv=None) -> int:
         cids = server.select_clients(rnd)
         for c in cids:  # the client's raysim generator for this round: every pass draws from it
             loaders[c] = server._client(rnd, c, False).generator
-            clients[c].set_parameters(sent(global_model))
+            if a.algorithm != "fedproto":  # FedProto sends no weights, only the prototypes (set below)
+                clients[c].set_parameters(sent(global_model))
             if a.algorithm == "ditto":
                 clients[c].ptrain()
             clients[c].train()
+        if a.algorithm == "fedproto":  # serverproto's proto_aggregation (restated: serverbase needs h5py):
+            protos = {}  # per class, the unweighted mean of the uploads holding it; sent to every client
+            for c in cids:
+                for label, proto in clients[c].protos.items():
+                    protos.setdefault(label, []).append(proto.data)
+            protos = {label: sum(ps[1:], ps[0]) / len(ps) if len(ps) > 1 else ps[0] for label, ps in protos.items()}
+            for client in clients.values():
+                client.set_protos(protos)
+            server.round(rnd)
+            algo = server.algorithm
+            theirs_p = torch.stack([protos[j] if j in protos and not isinstance(protos[j], list)
+                                    else torch.zeros_like(algo.protos[0]) for j in range(server.num_classes)])
+            own = max(max_difference(server.states[c]["kept"], raysim_keys(clients[c].model.state_dict())) for c in cids)
+            print(f"round {rnd}: max |raysim - PFLlib| global prototypes "
+                  f"{float((algo.protos - theirs_p).abs().max()):.3g} (classes {sorted(protos)}), clients' models "
+                  f"{own:.3g}", flush=True)
+            rounds.append({"protos": figures({"protos": theirs_p})})
+            continue
         total = sum(clients[c].train_samples for c in cids)
         uploads = [(clients[c].train_samples / total, sent(clients[c].model)) for c in cids]
         target = sent(global_model)  # serverbase.aggregate_parameters
