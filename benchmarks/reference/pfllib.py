@@ -41,6 +41,8 @@ ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client m
     "lg_fedavg": (["algorithm=lg_fedavg", "personal.buffers=local"], "clientlg", "clientLG"),
     "fedbabu": (["algorithm=fedbabu", "personal.buffers=local"], "clientbabu", "clientBABU"),
     "apfl": (["algorithm=apfl", "apfl.variant=pfllib", "apfl.alpha=0.5"], "clientapfl", "clientAPFL"),
+    "fedala": (["algorithm=fedala", "fedala.layer_idx=2", "fedala.eta=1.0", "fedala.rand_percent=80"], "clientala",
+               "clientALA"),
     # PFLlib pools every epoch's z, the authors (and collect=training) the last epoch's: the same at one epoch
     "fedproto": (["algorithm=fedproto", "fedproto.collect=training", "fedproto.lam=1", "local.epochs=1"], "clientproto",
                  "clientProto"),
@@ -116,6 +118,20 @@ def main(argv=None) -> int:
         return Batches(x, y, loaders.get(self.id), int(batch_size or self.batch_size))
 
     base_client.load_train_data = load_train_data
+    current, trained = [None], set()  # FedALA: the client whose ALA runs now; the clients that trained before
+    if a.algorithm == "fedala":
+        # ALA's window starts at random.randint(0, n - size): drawn here from the client's raysim generator
+        # (first, before its training's permutations, as raysim draws it; not at all before the client has
+        # trained, when ALA returns at once and raysim draws nothing); its data: the client's, in order
+        class WindowStart:
+            @staticmethod
+            def randint(lo, hi):
+                c = current[0]
+                return int(torch.randint(lo, hi + 1, (1,), generator=loaders[c])) if c in trained else lo
+
+        importlib.import_module("utils.ALA").random = WindowStart
+        importlib.import_module(f"flcore.clients.{module}").read_client_data = \
+            lambda dataset, idx, is_train=True, few_shot=0: list(zip(*server.data[idx]))
     torch.set_num_threads(1)
     initial = BaseHead(server.algorithm.model)
     args = SimpleNamespace(model=initial, algorithm=a.algorithm, dataset="raysim", device="cpu",
@@ -132,6 +148,9 @@ def main(argv=None) -> int:
                            alpha=float(cfg.apfl.alpha) if a.algorithm == "apfl" else 0.0, fine_tuning_epochs=0)
     if a.algorithm == "fedproto":
         args.lamda = float(cfg.fedproto.lam)
+    if a.algorithm == "fedala":
+        args.eta, args.rand_percent, args.layer_idx = (float(cfg.fedala.eta), int(cfg.fedala.rand_percent),
+                                                       int(cfg.fedala.layer_idx))
     clients = {c: client_cls(args, id=c, train_samples=len(server.data[c][1]), test_samples=0,
                              train_slow=False, send_slow=False) for c in range(server.num_clients)}
     global_model = copy.deepcopy(initial)
@@ -156,11 +175,15 @@ def main(argv=None) -> int:
         cids = server.select_clients(rnd)
         for c in cids:  # the client's raysim generator for this round: every pass draws from it
             loaders[c] = server._client(rnd, c, False).generator
-            if a.algorithm != "fedproto":  # FedProto sends no weights, only the prototypes (set below)
+            if a.algorithm == "fedala":  # serverala.send_models: each client's ALA from the global model
+                current[0] = c
+                clients[c].local_initialization(global_model)
+            elif a.algorithm != "fedproto":  # FedProto sends no weights, only the prototypes (set below)
                 clients[c].set_parameters(sent(global_model))
             if a.algorithm == "ditto":
                 clients[c].ptrain()
             clients[c].train()
+            trained.add(c)
         if a.algorithm == "fedproto":  # serverproto's proto_aggregation (restated: serverbase needs h5py):
             protos = {}  # per class, the unweighted mean of the uploads holding it; sent to every client
             for c in cids:
@@ -209,6 +232,11 @@ def main(argv=None) -> int:
                 ours_c = mine.get("kept", {})
             elif a.algorithm == "fedbabu":  # nothing of its own but buffers: the server's part says it all
                 theirs_c, ours_c = {}, {}
+            elif a.algorithm == "fedala":  # theta_i, its trained model (W_i compared beside it)
+                theirs_c = raysim_keys(clients[c].model.state_dict())
+                ours_c = mine.get("theta", {})
+                if clients[c].ALA.weights is not None and "W" in mine:
+                    alphas[c] = (max(float((w - v).abs().max()) for w, v in zip(mine["W"], clients[c].ALA.weights)), 0.0)
             elif a.algorithm == "apfl":  # v, and alpha beside it
                 theirs_c = raysim_keys(clients[c].model_per.state_dict())
                 ours_c = mine.get("v", {})
@@ -230,14 +258,14 @@ def main(argv=None) -> int:
         if personal:
             line += f", clients' own parts {max(personal.values()):.3g} ({len(personal)} clients)"
         if alphas:
-            line += f", alpha {max(abs(x - y) for x, y in alphas.values()):.3g}"
+            line += f", {'W' if a.algorithm == 'fedala' else 'alpha'} {max(abs(x - y) for x, y in alphas.values()):.3g}"
         print(line, flush=True)
         rounds.append({"model": figures(shared), **({"personal": rounds_personal} if personal else {})})
     if a.record:  # the clients' own parts of the last round only (a model per client)
         for r in rounds[:-1]:
             r.pop("personal", None)
         write_record(a.record, f"TsingZ0/PFLlib system/flcore/clients/{module}.py", commit_of(a.reference), overrides,
-                     rounds, personal_state={"ditto": "v", "pfedme": "theta", "apfl": "v"}.get(a.algorithm, "kept"))
+                     rounds, personal_state={"ditto": "v", "pfedme": "theta", "apfl": "v", "fedala": "theta"}.get(a.algorithm, "kept"))
         print(f"recorded: {a.record}")
     return 0
 
