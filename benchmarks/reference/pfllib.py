@@ -41,6 +41,7 @@ ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client m
     "lg_fedavg": (["algorithm=lg_fedavg", "personal.buffers=local"], "clientlg", "clientLG"),
     "fedbabu": (["algorithm=fedbabu", "personal.buffers=local"], "clientbabu", "clientBABU"),
     "apfl": (["algorithm=apfl", "apfl.variant=pfllib", "apfl.alpha=0.5"], "clientapfl", "clientAPFL"),
+    "fedbn": (["algorithm=fedbn", "model_options.norm=batch"], "clientbn", "clientBN"),
     "fedala": (["algorithm=fedala", "fedala.layer_idx=2", "fedala.eta=1.0", "fedala.rand_percent=80"], "clientala",
                "clientALA"),
     # PFLlib pools every epoch's z, the authors (and collect=training) the last epoch's: the same at one epoch
@@ -54,22 +55,31 @@ PLAIN = ["local.momentum=0", "local.weight_decay=0"]
 
 
 class BaseHead(torch.nn.Module):
-    """raysim's model as PFLlib's BaseHeadSplit: `base` its encoder, `head` its head."""
+    """raysim's model as PFLlib's BaseHeadSplit: `base` its encoder, `head` its head. The
+    encoder's layers are named `bn<i>` (a BatchNorm layer: PFLlib's FedBN finds them by 'bn' in
+    the name) or `m<i>` for raysim's position i."""
 
     def __init__(self, model: torch.nn.Module):
+        from collections import OrderedDict
+
         super().__init__()
-        self.base, self.head = copy.deepcopy(model.encoder), copy.deepcopy(model.head)
+        self.base = torch.nn.Sequential(OrderedDict(
+            (f"bn{i}" if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) else f"m{i}", m)
+            for i, m in enumerate(copy.deepcopy(model.encoder))))
+        self.head = copy.deepcopy(model.head)
 
     def forward(self, x):
         return self.head(self.base(x))
 
 
 def raysim_keys(state: dict, prefix: str = "") -> dict:
-    """A PFLlib model's state under raysim's names (base. -> encoder.)."""
+    """A PFLlib model's state under raysim's names (base.m1.weight -> encoder.1.weight)."""
+    import re
+
     out = {}
     for k, v in state.items():
         k = prefix + k
-        out["encoder." + k[len("base."):] if k.startswith("base.") else k] = v
+        out[re.sub(r"^base\.(?:bn|m)(\d+)\.", r"encoder.\1.", k)] = v
     return out
 
 
@@ -220,6 +230,9 @@ def main(argv=None) -> int:
         ours = server.algorithm.model.state_dict()
         prefix = {"base": "encoder.", "head": "head.", None: ""}[part]
         shared = {k: theirs[k] for k in ours if k in theirs and k.startswith(prefix)}
+        if a.algorithm == "fedbn":  # the server's BatchNorm layer is no client's (PFLlib averages it; never sent)
+            kept = server.states[cids[0]].get("kept", {})
+            shared = {k: v for k, v in shared.items() if k not in kept}
         line = f"round {rnd}: max |raysim - PFLlib| server {max_difference({k: ours[k] for k in shared}, shared):.3g}"
         personal, rounds_personal, alphas = {}, {}, {}
         for c in cids:
@@ -229,6 +242,9 @@ def main(argv=None) -> int:
                 ours_c = mine.get("kept", {})
             elif a.algorithm == "lg_fedavg":
                 theirs_c = raysim_keys(clients[c].model.base.state_dict(), "base.")
+                ours_c = mine.get("kept", {})
+            elif a.algorithm == "fedbn":  # its BatchNorm layers: weights, biases and statistics
+                theirs_c = {k: v for k, v in raysim_keys(clients[c].model.state_dict()).items() if k in mine.get("kept", {})}
                 ours_c = mine.get("kept", {})
             elif a.algorithm == "fedbabu":  # nothing of its own but buffers: the server's part says it all
                 theirs_c, ours_c = {}, {}
