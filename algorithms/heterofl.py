@@ -32,7 +32,8 @@ server; no Scaler. Its optional self-distillation is not implemented. `variant=f
 FedRolex (Alam, Liu, Yan, Zhang 2022, "FedRolex: Model-Heterogeneous Federated Learning with
 Rolling Sub-Model Extraction"): in round t a client of rate r trains hidden units
 (t + i) mod K, i < ceil(rK), of each layer (`rolled`): a window that rolls over the whole
-model, so every unit is trained by narrow clients too, with the authors' Scaler and masking
+model, so every unit is trained by narrow clients too (`heterofl.roll=code`: the authors' code's
+window, units (i - t) mod K: the same window rolling the other way), with the authors' Scaler and masking
 as HeteroFL's (AIoT-MLSys-Lab/FedRolex: config.yml `scale: '1'`, models/resnet.py's
 `Scaler(rate)`; `heterofl.scaler=false` turns it off for both)."""
 from __future__ import annotations
@@ -64,6 +65,7 @@ class HeteroFLOptions(Options):
     mask: bool = option(True)  # logits of classes the client lacks are 0 in training; only its classes' rows averaged
     scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (HeteroFL's and FedRolex's authors'; FjORD has none)
     variant: str = option("heterofl", choices=("heterofl", "fjord", "fedrolex"))  # fjord: each step a width <= the client's; fedrolex: rolling windows
+    roll: str = option("paper", choices=("paper", "code"))  # fedrolex: round t's window units (t + i) mod K (the paper's Eq. 4) | (i - t) mod K (the authors' torch.roll)
 
     def check(self, cfg, section: str) -> None:
         from raysim.models import model_option_defaults
@@ -173,7 +175,8 @@ class HeteroFL(FedAvg):
         for r in results:
             w = float(r.num_samples) if samples else 1.0
             rows = r.update.get("classes")
-            windows = rolled(state, {k: v.shape for k, v in r.update.items()}, rnd) if rolex else {}
+            windows = rolled(state, {k: v.shape for k, v in r.update.items()}, self.window_offset(self.cfg, rnd)) \
+                if rolex else {}
             for k, v in r.update.items():
                 if k == "classes":
                     continue
@@ -199,6 +202,13 @@ class HeteroFL(FedAvg):
         return {"train_loss": loss_sum / n}
 
     @staticmethod
+    def window_offset(cfg, rnd: int) -> int:
+        """FedRolex's offset in round `rnd`: the paper's window starts at unit rnd mod K and
+        rolls forward; the authors' code (resnet_server.py, `torch.roll(arange(K), rnd)[:k]`)
+        takes units (i - rnd) mod K, the same window rolling backward (`heterofl.roll=code`)."""
+        return -rnd if cfg.heterofl.roll == "code" else rnd
+
+    @staticmethod
     def cut(full: dict, sub: torch.nn.Module, windows: dict | None = None) -> dict:
         """The global weights' leading slices in `sub`'s shapes (or at FedRolex's `windows`)."""
         return {k: full[k][windows[k] if windows else leading(full[k], v.shape)].clone()
@@ -222,7 +232,8 @@ class HeteroFL(FedAvg):
         full = payload["weights"]
         windows = None
         if client.cfg.heterofl.variant == "fedrolex":  # this round's window of every hidden layer
-            windows = rolled(full, {k: v.shape for k, v in model.state_dict().items()}, client.round)
+            windows = rolled(full, {k: v.shape for k, v in model.state_dict().items()},
+                             self.window_offset(client.cfg, client.round))
         model.load_state_dict(self.cut(full, model, windows))
         classes = torch.unique(client.y).cpu() if client.cfg.heterofl.mask else None
         loss = self.local_loss_for(client, classes)

@@ -218,3 +218,18 @@ def test_a_clients_loss_zeroes_the_logits_of_the_classes_it_lacks():
     assert not torch.allclose(got, F.cross_entropy(logits, y), atol=1e-4)
     plain = set_up(load_config(overrides=["algorithm=heterofl", "model=mlp", "heterofl.mask=false"]), None, (4,), 3)
     assert torch.allclose(plain.local_loss_for(client, None)(model, x, y), F.cross_entropy(logits, y), atol=1e-6)
+
+
+def test_fedrolex_rolls_forward_as_the_paper_or_backward_as_the_authors_code():
+    """Hidden layer of 8, rate 1/2 (4 units), round 3: the paper's Eq. 4 keeps units 3..6; the
+    authors' `torch.roll(arange(8), 3)[:4]` keeps 5, 6, 7, 0 (units (i - 3) mod 8)."""
+    def kept(roll):
+        cfg = load_config(overrides=["algorithm=heterofl", "heterofl.variant=fedrolex", f"heterofl.roll={roll}",
+                                     "model=mlp", "model_options.hidden=[8]"])
+        full = build_model("mlp", (4,), 3, {"hidden": [8]}).state_dict()
+        half = build_model("mlp", (4,), 3, {"hidden": [8], "width": 0.5}).state_dict()
+        at = rolled(full, {k: v.shape for k, v in half.items()}, HeteroFL.window_offset(cfg, 3))
+        return sorted(int(u) for u in at["encoder.1.bias"][0])
+
+    assert kept("paper") == [3, 4, 5, 6]
+    assert kept("code") == sorted(int(u) for u in torch.roll(torch.arange(8), 3)[:4]) == [0, 5, 6, 7]
