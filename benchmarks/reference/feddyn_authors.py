@@ -26,19 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import commit_of, figures, max_difference, raysim_server, worst_key, write_record  # noqa: E402
-
-
-class PermutedBatches:
-    """Their `trn_gen` here: each pass a new permutation of the client's samples from its
-    raysim generator, in batches of `bs` (the last short batch kept, as theirs)."""
-
-    def __init__(self, x, y, bs, generator):
-        self.x, self.y, self.bs, self.generator = x, y, bs, generator
-
-    def __iter__(self):
-        perm = torch.randperm(len(self.y), generator=self.generator)
-        return iter([(self.x[perm[s:s + self.bs]], self.y[perm[s:s + self.bs]]) for s in range(0, len(self.y), self.bs)])
+from harness import PassBatches, commit_of, figures, max_difference, raysim_server, worst_key, write_record  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -63,7 +51,7 @@ def main(argv=None) -> int:
     current = {}  # the client being trained: its data and generator
 
     def loader(dataset, batch_size, shuffle):
-        return PermutedBatches(*current["data"], batch_size, current["generator"])
+        return PassBatches(*current["data"], batch_size, current["generator"])
 
     ug.Dataset = lambda x, y, train, dataset_name: None
     ug.data = SimpleNamespace(DataLoader=loader)

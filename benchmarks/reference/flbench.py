@@ -31,22 +31,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import commit_of, figures, max_difference, worst_key, write_record  # noqa: E402
-
-
-class PassLoader:
-    """FL-bench's trainloader here: every iteration is a new permutation of the client's samples
-    from its raysim generator, cut in batches of `bs`."""
-
-    def __init__(self, x, y, bs):
-        self.x, self.y, self.bs, self.generator = x, y, bs, None
-
-    def __iter__(self):
-        perm = torch.randperm(len(self.y), generator=self.generator)
-        return iter([(self.x[perm[s:s + self.bs]], self.y[perm[s:s + self.bs]]) for s in range(0, len(self.y), self.bs)])
-
-    def __len__(self):
-        return -(-len(self.y) // self.bs)
+from harness import PassBatches, commit_of, figures, max_difference, worst_key, write_record  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -93,8 +78,7 @@ def main(argv=None) -> int:
             client = object.__new__(PerFedAvgClient)
             client.model = copy.deepcopy(global_model)
             client.dataset = SimpleNamespace(train=lambda: None)
-            client.trainloader = PassLoader(*server.data[c], bs)
-            client.trainloader.generator = server._client(rnd, c, False).generator
+            client.trainloader = PassBatches(*server.data[c], bs, server._client(rnd, c, False).generator)
             client.local_epoch = int(cfg.local.epochs)
             client.device = torch.device("cpu")
             client.criterion = torch.nn.CrossEntropyLoss()

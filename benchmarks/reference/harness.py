@@ -54,6 +54,25 @@ def client_batches(server: InProcessServer, rnd: int, cid: int) -> list[list[tup
     return epochs
 
 
+class PassBatches:
+    """A reference's data loader that reshuffles at every pass, fed raysim's order: each pass
+    draws the next permutation of the client's samples from its raysim generator (as
+    `local_sgd` does each epoch) and cuts it in batches of `bs`, the last short batch kept.
+    Without a generator (a pass outside training, e.g. counting labels): one batch, in order."""
+
+    def __init__(self, x, y, bs: int, generator=None):
+        self.x, self.y, self.bs, self.generator = x, y, bs, generator
+
+    def __iter__(self):
+        if self.generator is None:
+            return iter([(self.x, self.y)])
+        perm = torch.randperm(len(self.y), generator=self.generator)
+        return iter([(self.x[perm[s:s + self.bs]], self.y[perm[s:s + self.bs]]) for s in range(0, len(self.y), self.bs)])
+
+    def __len__(self):
+        return -(-len(self.y) // self.bs)
+
+
 class EpochLoader:
     """A data loader a reference's training function iterates: the first pass (its accuracy
     before training) and any after the last epoch give all the client's batches of epoch 1;

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import commit_of, figures, max_difference, raysim_server, write_record  # noqa: E402
+from harness import PassBatches, commit_of, figures, max_difference, raysim_server, write_record  # noqa: E402
 
 ALGORITHMS = {  # raysim's settings that are PFLlib's reading; PFLlib's client module and class
     "fedper": (["algorithm=fedper", "personal.buffers=local"], "clientper", "clientPer"),
@@ -83,24 +83,6 @@ def raysim_keys(state: dict, prefix: str = "") -> dict:
     return out
 
 
-class Batches:
-    """What a PFLlib client's `load_train_data` returns here: each pass draws the next
-    permutation of the client's samples from its raysim generator (as raysim's local_sgd does
-    each epoch) and cuts it in batches of `bs`, the last short batch kept."""
-
-    def __init__(self, x, y, generator, bs):
-        self.x, self.y, self.generator, self.bs = x, y, generator, bs
-
-    def __iter__(self):
-        if self.generator is None:  # a pass outside training (FedRoD counts its labels): in order
-            return iter([(self.x, self.y)])
-        perm = torch.randperm(len(self.y), generator=self.generator)
-        return iter([(self.x[perm[s:s + self.bs]], self.y[perm[s:s + self.bs]]) for s in range(0, len(self.y), self.bs)])
-
-    def __len__(self):
-        return -(-len(self.y) // self.bs)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", required=True, help="a checkout of TsingZ0/PFLlib")
@@ -125,7 +107,7 @@ def main(argv=None) -> int:
 
     def load_train_data(self, batch_size=None):
         x, y = server.data[self.id]
-        return Batches(x, y, loaders.get(self.id), int(batch_size or self.batch_size))
+        return PassBatches(x, y, int(batch_size or self.batch_size), loaders.get(self.id))
 
     base_client.load_train_data = load_train_data
     current, trained = [None], set()  # FedALA: the client whose ALA runs now; the clients that trained before
