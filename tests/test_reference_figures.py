@@ -41,6 +41,10 @@ def test_raysim_lands_on_the_reference_codes_recorded_figures(record):
             close({"protos": server.algorithm.protos}, figures["protos"], f"{record.stem} round {rnd} prototypes")
         if "c" in figures:  # SCAFFOLD's server variate
             close(server.algorithm.c, figures["c"], f"{record.stem} round {rnd} c")
+        for j, cluster in enumerate(figures.get("clusters", [])):  # FedConcat's cluster models (stage 2)
+            close(server.algorithm.models[j].state_dict(), cluster, f"{record.stem} round {rnd} cluster {j}")
+        if "classifier" in figures:  # FedConcat's classifier on the concatenated encoders (stage 3)
+            close(server.algorithm.concat.head.state_dict(), figures["classifier"], f"{record.stem} round {rnd} head")
         for cid, part in figures.get("personal", {}).items():  # a client's own part (its client state)
             close(server.states[int(cid)][rec["personal_state"]], part, f"{record.stem} round {rnd} client {cid}")
 
