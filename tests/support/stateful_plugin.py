@@ -2,6 +2,7 @@
 they have taken part in, and report the count as their 'loss' (so it lands in
 clients.parquet). Loaded through the `plugins` config key, as a user's plugin would be."""
 from raysim.algorithms.fedavg import FedAvg
+from raysim.algorithms.pfedme import PFedMe
 from raysim.registry import ALGORITHMS
 
 
@@ -38,6 +39,13 @@ class SlowStateCounter(StateCounter):
         return super().aggregate(rnd, results)
 
 
+def blown_up(result):
+    """`result` with NaN weights and a NaN loss, as a step too large for the model leaves it."""
+    result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
+    result.metrics["loss"] = float("nan")
+    return result
+
+
 @ALGORITHMS.register("test_nan_in_round_3")
 class NaNInRound3(FedAvg):
     """Local training that blows up in round 3 (as too large a learning rate does): every
@@ -45,22 +53,16 @@ class NaNInRound3(FedAvg):
 
     def client_update(self, client, payload):
         result = super().client_update(client, payload)
-        if client.round == 3:
-            result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
-            result.metrics["loss"] = float("nan")
-        return result
+        return blown_up(result) if client.round == 3 else result
 
 
 @ALGORITHMS.register("test_pfedme_nan_in_round_2")
-class PFedMeNaNInRound2(__import__("raysim.algorithms.pfedme", fromlist=["PFedMe"]).PFedMe):
+class PFedMeNaNInRound2(PFedMe):
     """pFedMe whose clients blow up in round 2, as an unstable inner step does."""
 
     def client_update(self, client, payload):
         result = super().client_update(client, payload)
-        if client.round == 2:
-            result.update = {k: v * float("nan") if v.is_floating_point() else v for k, v in result.update.items()}
-            result.metrics["loss"] = float("nan")
-        return result
+        return blown_up(result) if client.round == 2 else result
 
 
 @ALGORITHMS.register("test_join_recorder")
