@@ -19,7 +19,7 @@ steps on each batch, then w <- w - lambda learning_rate (w - theta); serverpFedM
 `persionalized_aggregate_parameters`: (1 - beta) previous + beta sample-weighted mean).
 Defaults are theirs for MNIST (lambda 15, personal_lr 0.09, K 5, beta 1), whose models are
 an MLP and logistic regression: theta's step is stable only where personal_lr (L + lambda) < 2,
-L the batch loss's curvature, which for the zoo's CNN on MNIST is ~20-25 after one round
+L the batch loss's curvature, which for the zoo's CNN on MNIST is 18-26 in rounds 1-3
 (docs/algorithms.md): there use personal_lr 0.01 (a diverged run says so). Not followed: their
 server has every client train every round and aggregates the selected ones only; here only
 the selected clients train (as FL-bench's and PFLlib's pFedMe). The w step goes through the
@@ -72,7 +72,7 @@ class PFedMe(FedAvg):
         o = cfg.pfedme
         bound = 2 / float(o.personal_lr) - float(o.lam)
         return (f"pFedMe's inner step on theta is stable only where pfedme.personal_lr x (L + pfedme.lam) < 2 for "
-                f"the batch loss's curvature L: here L under {bound:.3g} (a CNN's on MNIST is ~20-25 after one round, "
+                f"the batch loss's curvature L: here L under {bound:.3g} (a CNN's on MNIST is 18-26 in rounds 1-3, "
                 f"docs/algorithms.md); try a smaller pfedme.personal_lr (now {o.personal_lr}), e.g. 0.01")
 
     @classmethod

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
             kept = server.states[cids[0]].get("kept", {})
             shared = {k: v for k, v in shared.items() if k not in kept}
         line = f"round {rnd}: max |raysim - PFLlib| server {max_difference({k: ours[k] for k in shared}, shared):.3g}"
-        personal, rounds_personal, alphas = {}, {}, {}
+        personal, rounds_personal, side = {}, {}, {}  # side: FedALA's W_i / APFL's alpha, |raysim - PFLlib|
         for c in cids:
             mine = server.states.get(c, {})
             if a.algorithm in ("fedper", "fedrep"):
@@ -234,11 +234,11 @@ def main(argv=None) -> int:
                 theirs_c = raysim_keys(clients[c].model.state_dict())
                 ours_c = mine.get("theta", {})
                 if clients[c].ALA.weights is not None and "W" in mine:
-                    alphas[c] = (max(float((w - v).abs().max()) for w, v in zip(mine["W"], clients[c].ALA.weights)), 0.0)
+                    side[c] = max(float((w - v).abs().max()) for w, v in zip(mine["W"], clients[c].ALA.weights))
             elif a.algorithm == "apfl":  # v, and alpha beside it
                 theirs_c = raysim_keys(clients[c].model_per.state_dict())
                 ours_c = mine.get("v", {})
-                alphas[c] = (float(mine.get("alpha", float("nan"))), float(clients[c].alpha))
+                side[c] = abs(float(mine.get("alpha", float("nan"))) - float(clients[c].alpha))
             elif a.algorithm == "fedrod":
                 theirs_c = {f"personal.{k}": v for k, v in clients[c].head.state_dict().items()}
                 ours_c = mine.get("kept", {})
@@ -255,8 +255,8 @@ def main(argv=None) -> int:
                 rounds_personal[str(c)] = figures({k: theirs_c[k] for k in common})
         if personal:
             line += f", clients' own parts {max(personal.values()):.3g} ({len(personal)} clients)"
-        if alphas:
-            line += f", {'W' if a.algorithm == 'fedala' else 'alpha'} {max(abs(x - y) for x, y in alphas.values()):.3g}"
+        if side:
+            line += f", {'W' if a.algorithm == 'fedala' else 'alpha'} {max(side.values()):.3g}"
         print(line, flush=True)
         rounds.append({"model": figures(shared), **({"personal": rounds_personal} if personal else {})})
     if a.record:  # the clients' own parts of the last round only (a model per client)
