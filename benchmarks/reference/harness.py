@@ -24,7 +24,7 @@ from raysim.testing import InProcessServer
 def import_reference(path: str, module: str):
     """The reference's module `module` from the checkout at `path` (its folder first on the path)."""
     root = Path(path).resolve()
-    if not (root / f"{module}.py").exists():
+    if not (root / f"{module.replace('.', '/')}.py").exists():
         raise SystemExit(f"--reference {path}: no {module}.py there; point it at a checkout of the reference")
     sys.path.insert(0, str(root))
     import importlib
@@ -94,6 +94,14 @@ def figures(state: dict) -> dict:
     """A model's figures for the suite: each floating tensor's values, flattened (the drivers
     record small models: a few thousand numbers)."""
     return {k: [float(x) for x in v.reshape(-1)] for k, v in state.items() if v.is_floating_point()}
+
+
+def summary(t: torch.Tensor) -> dict:
+    """A large tensor's figures: its sums along the first axis and across it (rows: each
+    row's sum; cols: each column's, the rest flattened). Any one changed value moves two of
+    them."""
+    m = t.detach().double().reshape(t.shape[0], -1) if t.dim() else t.detach().double().reshape(1, 1)
+    return {"rows": [float(v) for v in m.sum(1)], "cols": [float(v) for v in m.sum(0)]}
 
 
 def max_difference(a: dict, b: dict) -> float:
