@@ -49,13 +49,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raysim.contract import Client, Server
+from raysim.contract import Client, ClientResult, Server
 from raysim.algorithms.clustered import GroupModels, GroupsOptions, flat
 from raysim.algorithms.fedprox import proximal_loss
 from raysim.errors import ConfigError
 from raysim.options import option
 from raysim.registry import ALGORITHMS
-from raysim.training import WeightedMean, base_loss, cpu_state
+from raysim.training import WeightedMean, base_loss, cpu_state, local_sgd
 
 
 @dataclass
@@ -70,6 +70,7 @@ class FedGroupOptions(GroupsOptions):
     inter_group: str = option("paper", choices=("paper", "normalised"))  # paper | normalised (the authors' code)
     mu: float = option(0.01, at_least=0)  # fedgrouprox's proximal term (fedgroup: none)
     kmeans_iter: int = option(20, at_least=1)  # EDC's KMeans max_iter (the authors' code)
+    pretrain_steps: int = option(50, at_least=0)  # SGD steps of a pre-training (both cold starts): the authors' solve_iters(50); 0: the round's local training
 
     def check(self, cfg, section: str) -> None:
         super().check(cfg, section)
@@ -150,7 +151,7 @@ class FedGroup(GroupModels):
         chosen = sorted(int(c) for c in rng.choice(there, k, replace=False))
         w0_flat = flat(self.w0.state_dict(), self.names)
         states, updates = {}, {}
-        for r in server.run_clients(0, chosen, {"weights": cpu_state(self.w0)}):
+        for r in server.run_clients(0, chosen, self.pretraining()):
             states[r.cid], updates[r.cid] = r.update, (flat(r.update, self.names) - w0_flat).numpy()
         cids = sorted(states)
         if len(cids) <= m and self.opts.centres == "cluster":
@@ -185,11 +186,32 @@ class FedGroup(GroupModels):
             self.group_of[cold] = rng.integers(0, len(self.models), len(cold))
             return
         w0_flat = flat(self.w0.state_dict(), self.names)
-        for r in server.run_clients(rnd, cold, {"weights": cpu_state(self.w0)}):
+        for r in server.run_clients(rnd, cold, self.pretraining()):
             dw = flat(r.update, self.names) - w0_flat
             self.group_of[r.cid] = int(np.argmin(cosine_dissimilarity(self.directions, dw)))
         # a client whose pre-training dropped stays cold: placed when next selected
 
+    def pretraining(self) -> dict:
+        """The payload of a pre-training: from w0, `pretrain_steps` steps (0: the round's local training)."""
+        return {"weights": cpu_state(self.w0), "pretrain_steps": int(self.opts.pretrain_steps)}
+
+    # ------------------------------------------------------------------ client
+    def client_update(self, client: Client, payload: dict) -> ClientResult:
+        """FedAvg's (FedGrouProx: FedProx's) local training; a pre-training runs
+        `pretrain_steps` minibatch steps instead of the round's epochs."""
+        if not payload.get("pretrain_steps"):
+            return super().client_update(client, payload)
+        model = client.model
+        model.load_state_dict(payload["weights"])
+        stats = local_sgd(client, model, self.local_loss(client, payload), steps=int(payload["pretrain_steps"]))
+        return ClientResult(client.cid, client.num_samples, cpu_state(model), stats)
+
+    def client_update_cohort(self, clients: list[Client], payload: dict):
+        if payload.get("pretrain_steps"):  # a few steps each: one client at a time
+            return [self.client_update(c, payload) for c in clients]
+        return super().client_update_cohort(clients, payload)
+
+    # ------------------------------------------------------------------ server
     def train_groups(self, rnd: int, server: Server, cohort: list[int]) -> dict:
         if self.opts.direction != "latest":
             return super().train_groups(rnd, server, cohort)

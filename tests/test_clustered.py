@@ -14,7 +14,7 @@ from raysim.algorithms.ifca import IFCA
 from raysim.config import load_config
 from raysim.models import build_model
 from raysim.run import main
-from raysim.training import cpu_state, seed_for
+from raysim.training import cpu_state, local_sgd, seed_for
 
 SHAPE = (1, 8, 8)
 
@@ -152,6 +152,32 @@ def a_client(x, y, cfg, state=None):
     model = build_model("mlp", SHAPE, 10, {"hidden": [4]})
     return Client(cid=0, round=1, cfg=cfg, x=x, y=y, num_classes=10, device=torch.device("cpu"),
                   generator=torch.Generator().manual_seed(0), state=state if state is not None else {}, model=model)
+
+
+@pytest.mark.parametrize("steps", [50, 0])
+def test_a_fedgroup_pretraining_runs_the_authors_50_steps_and_a_round_its_epochs(steps):
+    """Both authors' codes pre-train with `solve_iters(50)`: 50 minibatch steps from w0 (FlexCFL
+    client.pretrain, GrouProx pre_train_client), not the round's E epochs; pretrain_steps=0
+    is the round's local training. The model after it is local_sgd's with that many steps."""
+    cfg = load_config(overrides=["algorithm=fedgroup", "model=mlp", "model_options.hidden=[4]", "local.epochs=3",
+                                 "local.batch_size=10", f"fedgroup.pretrain_steps={steps}"])
+    algo = FedGroup(cfg, 10, SHAPE)
+    algo.setup(Stub(cfg, {}))
+    x, y = torch.randn(45, *SHAPE), torch.randint(0, 10, (45,))  # 5 batches an epoch
+
+    def a_client_of_3_epochs():
+        client = a_client(x, y, cfg)
+        client.epochs = 3  # the runtime sets it from local.epochs
+        return client
+
+    got = algo.client_update(a_client_of_3_epochs(), algo.pretraining())
+    assert got.metrics["steps"] == (steps or 3 * 5)
+    by_hand = a_client_of_3_epochs()
+    by_hand.model.load_state_dict(algo.w0.state_dict())
+    local_sgd(by_hand, by_hand.model, steps=steps or None)
+    assert all(torch.equal(v, by_hand.model.state_dict()[k]) for k, v in got.update.items())
+    trained = algo.client_update(a_client_of_3_epochs(), {"weights": cpu_state(algo.w0)})  # a group round: epochs
+    assert trained.metrics["steps"] == 15
 
 
 def test_an_ifca_client_picks_the_model_with_the_lowest_loss_on_its_training_data():
