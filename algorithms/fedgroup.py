@@ -21,7 +21,11 @@ similarity.
                       model. `eta_g > 0`: inter-group aggregation of the trained models'
                       parameters (buffers keep their group's plain mean), the paper's rule
                       w^g += eta_g sum_{l != g} w^l / ||w^l|| (`inter_group: paper`) or the
-                      authors' code's normalised mean (`inter_group: normalised`).
+                      authors' code's normalised mean among the round's trained groups
+                      (`inter_group: normalised`).
+    pre-training      `pretrain_steps` (50) minibatch steps from w0, in both cold starts: the
+                      authors' code's `solve_iters(50)` (FlexCFL and GrouProx alike; the paper
+                      says only that it takes less than a round); 0: the round's E epochs.
 
 Choices: the direction a cold client is compared with is the group's direction from the
 group cold start (`direction: initial`, the paper's Eq. 9 and Algorithm 3); the authors'
@@ -29,7 +33,12 @@ code compares with the group's latest aggregated update (`direction: latest`). E
 and metrics: see clustered.py. Reference: morningD/FlexCFL, flearn/trainer/fedgroup.py
 (group_cold_start, clustering_clients, _calculate_data_driven_measure, client_cold_start)
 and groupbase.py (inter_group_aggregation); its KMeans runs at most 20 iterations
-(`kmeans_iter`). The paper's Table III comes from the conference code, morningD/GrouProx
+(`kmeans_iter`). Checked against FlexCFL's server code (benchmarks/reference/fedgroup_authors.py:
+the same groups and group models to 4e-7 over 3-4 rounds, EDC and MADC, cold clients and the
+normalised inter-group rule; their TensorFlow clients not run). Where the authors' code differs
+and raysim keeps the paper: the auxiliary global model is the mean of all groups (Algorithm 2,
+line 11; FlexCFL: of the round's trained groups), and clients are drawn at random from round 1
+(FlexCFL: round-robin for the first N/K rounds). The paper's Table III comes from the conference code, morningD/GrouProx
 (FedProx's): the same evaluation (every client's test data; its MCLR's L2 term is never
 added to the loss), lr, E and batch as configs/experiments/fedgroup_table3_synthetic.yaml.
 Our columns sit 4-9 points under the paper's, FedAvg's included; 200 rounds and FedProx's
@@ -224,15 +233,20 @@ class FedGroup(GroupModels):
         return metrics
 
     def mix_groups(self, trained: list[int]) -> None:
-        """Inter-group aggregation (eta_g > 0) over all groups' parameters (Algorithm 2, line 10)."""
+        """Inter-group aggregation (eta_g > 0; Algorithm 2, line 10). `paper`: over all
+        groups' parameters (a group without members this round keeps its model w~ and is
+        mixed as such); `normalised`: the authors' code (FlexCFL groupbase.py
+        inter_group_aggregation over the round's train_results), among the groups trained
+        this round only: an untrained group neither moves nor is mixed in."""
         eta = float(self.opts.eta_g)
         if eta <= 0 or len(self.models) < 2:
             return
-        tilde = [{n: m.state_dict()[n].double().clone() for n in self.names} for m in self.models]
-        norms = [float(torch.linalg.vector_norm(flat(t, self.names))) for t in tilde]
-        for g, model in enumerate(self.models):
-            others = [l for l in range(len(tilde)) if l != g and norms[l] > 0]
-            state = model.state_dict()
+        mixed = range(len(self.models)) if self.opts.inter_group == "paper" else sorted(trained)
+        tilde = {g: {n: self.models[g].state_dict()[n].double().clone() for n in self.names} for g in mixed}
+        norms = {g: float(torch.linalg.vector_norm(flat(t, self.names))) for g, t in tilde.items()}
+        for g in mixed:
+            others = [l for l in mixed if l != g and norms[l] > 0]
+            state = self.models[g].state_dict()
             with torch.no_grad():
                 for n in self.names:
                     push = sum(tilde[l][n] / norms[l] for l in others)

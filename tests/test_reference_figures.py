@@ -60,6 +60,10 @@ def test_raysim_lands_on_the_reference_codes_recorded_figures(record):
             close(server.algorithm.classifier.state_dict(), figures["classifier"], f"{record.stem} round {rnd} v^")
         if "features" in figures:  # CReFF's federated features
             close({"features": server.algorithm.features}, figures["features"], f"{record.stem} round {rnd} features")
+        for g, group in enumerate(figures.get("groups", [])):  # FedGroup's group models
+            close(server.algorithm.models[g].state_dict(), group, f"{record.stem} round {rnd} group {g}")
+        if "group_of" in figures:  # who is in which group
+            assert {c: int(server.algorithm.group_of[int(c)]) for c in figures["group_of"]} == figures["group_of"]
         for cid, part in figures.get("personal", {}).items():  # a client's own part (its client state)
             close(server.states[int(cid)][rec["personal_state"]], part, f"{record.stem} round {rnd} client {cid}")
 
