@@ -37,6 +37,10 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                                    stored=None)  # a subset: no longer the stored files' arrays
     own_test = cfg.partition.name == "natural" and data.users_test is not None  # LEAF's, Synthetic's users
     part = make_partition(data.y_train, cfg, n_classes, data.users_train, own_test)
+    if cfg.eval.validation > 0:  # tuning: judged on held-out training samples, never a test set
+        from raysim.data.validation import carve_validation
+
+        data, part = carve_validation(data, part, cfg, own_test)
     from raysim.contract import Algorithm
     from raysim.registry import ALGORITHMS, MODELS
 

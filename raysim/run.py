@@ -198,6 +198,9 @@ def _main(args, say, t_start: float) -> int:
             best = f"{next(iter(after))} after training; the rounds' {best}"
         print(f"final accuracy {acc:.4f}{f' ({best})' if after else f', {best}'}{on_clients}, "
               f"{summary['wall_seconds']:.1f} s")
+    if cfg.eval.validation:
+        print(f"note: eval.validation={cfg.eval.validation}: every accuracy above is on that share of the training "
+              "clients' samples, held out for validation, not on a test set")
     empty = summary.get("rounds_without_updates")
     if empty:  # the model did not move in those rounds: the accuracy above may be the untrained model's
         print(f"note: {empty} of {summary['rounds']} rounds had no update (every selected client dropped: "

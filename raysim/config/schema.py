@@ -52,6 +52,9 @@ class EvalConfig:
     # > 0: also each client's model fine-tuned this many epochs on its own training data, tested on
     # its own test split (`personal_accuracy`: FedAvg-FT for any algorithm; needs partition.test_fraction)
     finetune_epochs: int = 0
+    # > 0: validation mode (tuning): this share of each client's training samples is held out, and every
+    # evaluation, global and per client, is on those samples instead of a test set (raysim/data/validation.py)
+    validation: float = 0.0
     # where the global test set is evaluated: server (its CPU), clients (a client actor's device: its GPU),
     # auto (clients when the client actors train on CUDA, else server): runtime/remote_eval.py
     where: str = "auto"

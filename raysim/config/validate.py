@@ -89,6 +89,8 @@ def validate(cfg: DictConfig) -> None:
     need(p.max_draws >= 1, f"partition.max_draws must be >= 1, got {p.max_draws}")
     need(0 <= p.test_fraction < 1, f"partition.test_fraction must be in [0, 1), got {p.test_fraction}")
     need(cfg.long_tail.imbalance >= 1, f"long_tail.imbalance must be >= 1 (1: no long tail), got {cfg.long_tail.imbalance}")
+    need(0 <= cfg.eval.validation < 1, f"eval.validation must be in [0, 1) (0: off; a share of each client's training "
+         f"samples to judge the run on), got {cfg.eval.validation}")
     need(cfg.eval.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0 (0: off), got {cfg.eval.finetune_epochs}")
     need(cfg.eval.where in ("auto", "server", "clients"),
          f"eval.where must be auto, server or clients (where the test set is evaluated), got {cfg.eval.where!r}")
