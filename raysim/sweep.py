@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from raysim.errors import ConfigError, NothingToDo, RunDiverged, WriteFailed
+from raysim.tuning import point_suffix
 
 
 def split_values(text: str) -> list[str]:
@@ -73,10 +74,10 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if spec is not None and not isinstance(spec, dict):
             raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
                               f"{type(spec).__name__}")
-        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip"}
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "tune"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
-                              f"fixed, grid, skip")
+                              f"fixed, grid, skip, tune")
         spec = spec or {}
         name = spec.get("name")
         files = spec.get("config") or []
@@ -188,6 +189,27 @@ def read_skip(file: Path | None, grid: dict) -> list[dict]:
     return skip
 
 
+def read_tune(file: Path | None, grid: dict):
+    """The sweep file's `tune:` section (raysim/tuning.py), or None."""
+    if file is None:
+        return None
+    from raysim.config import find_config, load_yaml, read_text_file
+    from raysim.tuning import read_tuning
+
+    path = find_config(str(file))
+    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    if spec.get("tune") is None:
+        return None
+    if "algorithm" not in grid or "seed" not in grid:
+        raise ConfigError(f"sweep file {file}: tune needs grid axes algorithm and seed (it tunes each algorithm on "
+                          "one seed)")
+    labels = lambda axis: [_label(v) or v for v in grid.get(axis, [])]  # noqa: E731
+    tuning = read_tuning(spec, f"sweep file {file}", labels("setting"), labels("algorithm"))
+    if tuning.seed not in labels("seed"):
+        raise ConfigError(f"sweep file {file}: tune.seed={tuning.seed} is not a value of grid.seed")
+    return tuning
+
+
 def read_listed(path: Path, grid: dict) -> list[dict]:
     """`--skip-listed FILE`: a CSV whose columns include grid axes (a results table's
     runs.csv); each row names a point not to run here (done on another machine, its result
@@ -209,14 +231,21 @@ def skipped(values: dict, skip: list[dict]) -> bool:
     return any(all(str(v) == (_label(values[k]) or values[k]) for k, v in entry.items()) for entry in skip)
 
 
+def value_label(key: str, value) -> str:
+    """How a grid value is named: its label, the value itself, or (an unlabelled variant) as
+    its folder names it."""
+    return _label(value) or (value if isinstance(value, str) else _shown(key, value))
+
+
 def point_name(values: dict) -> str:
     text = ",".join(_shown(k, v) for k, v in values.items())
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = ()) -> list[dict]:
+def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None) -> list[dict]:
     """Every point (less those `skip` names): its name, overrides and state (done / partial /
-    new); each point's config checked here, before anything runs."""
+    new); each point's config checked here, before anything runs. `extra(values)`: overrides
+    appended to a point's (its tuned hyper-parameters)."""
     from raysim.config import read_layers, resolve
 
     points = []
@@ -226,8 +255,8 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = ()) -> list[dic
             continue
         name = point_name(values)
         run_dir = sweep_dir / name
-        overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), f"output_dir={sweep_dir}",
-                     f"run_name={name}"]
+        overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)),
+                     *(extra(values) if extra else []), f"output_dir={sweep_dir}", f"run_name={name}"]
         if not any(o.split("=", 1)[0] == "log.group" for o in fixed) and "log.group" not in grid:
             overrides.append(f"log.group={sweep_dir.name}")  # trackers group the sweep's runs (results/trackers.py)
         # a summary means the run ended (finished, or diverged: a result too, not retried)
@@ -241,8 +270,38 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = ()) -> list[dic
         if any(p["name"] == name for p in points):
             raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
         points.append({"name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
-                       "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor})
+                       "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor,
+                       "values": {k: value_label(k, v) for k, v in values.items()}})
     return points
+
+
+def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set) -> list[dict]:
+    """The tuning points (raysim/tuning.py) of the (setting, algorithm) `cells`: each at
+    tune.seed, judged on held-out training samples, in `<sweep>/tuning/`."""
+    at_seed = {**grid, "seed": [v for v in grid["seed"] if (_label(v) or v) == tuning.seed]}
+    out = []
+    for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=[]):
+        cell = (p["values"].get("setting", ""), p["values"]["algorithm"])
+        if cell not in cells:
+            continue
+        base = [o for o in p["overrides"] if o.split("=", 1)[0] not in ("output_dir", "run_name")]
+        for combo in tuning.combos(cell[1]):
+            name = f"{p['name']},{point_suffix(combo)}"
+            overrides = [*base, *combo, f"eval.validation={tuning.validation}", f"output_dir={sweep_dir / 'tuning'}",
+                         f"run_name={name}"]
+            run_dir = sweep_dir / "tuning" / name
+            state = "done" if (run_dir / "summary.json").is_file() else "partial" if run_dir.exists() else "new"
+            from raysim.config import read_layers, resolve
+
+            try:
+                cfg = resolve(read_layers(files, overrides))
+            except ConfigError as e:
+                raise ConfigError(f"tuning point {name}: {e}") from None
+            if state != "new":
+                check_same_point(run_dir, cfg, name, state)
+            out.append({**p, "name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
+                        "cell": cell, "combo": combo, "point": point_suffix(combo)})
+    return out
 
 
 def check_same_point(run_dir: Path, cfg, name: str, state: str) -> None:
@@ -322,25 +381,68 @@ def concurrency(points: list[dict]) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1) // max(need)))
 
 
-def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = ()) -> Path:
+def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = (),
+          tuning=None, tuned: dict | None = None) -> Path:
+    """Run the sweep's points not done; with a `tune:` section (`tuning`), first the tuning
+    points of every cell that still has a point to run, then those points with each cell's
+    chosen hyper-parameters (raysim/tuning.py). `tuned`: recorded tuning scores (--tuned)."""
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
     from raysim.runtime.run_lock import RunLock, check_free
 
     sweep_dir = (output_dir / name).resolve()
     if sweep_dir.is_dir():  # another sweep running into the same folder would run (and remove) the same points
         check_free(sweep_dir)
-    points = plan(files, fixed, grid, sweep_dir, skip)
+    points = plan(files, fixed, grid, sweep_dir, skip)  # every point's config checked before anything runs
     todo = [p for p in points if p["state"] != "done"]
-    say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
     if not todo:
+        say(f"sweep {sweep_dir}: {len(points)} points, all done")
         return sweep_dir
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(sweep_dir):
+        if tuning is not None:
+            cells = {(p["values"].get("setting", ""), p["values"]["algorithm"]) for p in todo}
+            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say)
+            points = plan(files, fixed, grid, sweep_dir, skip,
+                          extra=lambda v: chosen.get((value_label("setting", v["setting"]) if "setting" in v else "",
+                                                      value_label("algorithm", v["algorithm"])), []))
+            todo = [p for p in points if p["state"] != "done"]
+        say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
         return _run(points, todo, files, fixed, sweep_dir, say)
 
 
-def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say) -> Path:
-    """Run the points not done, on Ray Tune (the sweep's folder is locked meanwhile)."""
+def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say) -> dict:
+    """The tuning stage: run the tuning points not done nor recorded, score every one, write
+    <sweep>/tuning.csv; returns {cell: the chosen point's overrides}."""
+    from raysim.tuning import choose, score, write_tuned
+
+    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells)
+    recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
+    todo = [p for p in tpoints if p["state"] != "done" and not recorded(p)]
+    say(f"tuning: {len(tpoints)} points for {len(cells)} cell(s) on seed {tuning.seed}, {len(todo)} to run")
+    if todo:
+        _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say,
+             done=lambda p: recorded(p) or (Path(p["run_dir"]) / "summary.json").is_file())
+    rows, chosen = [], {}
+    for cell in sorted(cells):
+        mine = [p for p in tpoints if p["cell"] == cell]
+        scores = {p["point"]: tuned[(*cell, p["point"])] if recorded(p) else
+                  score(Path(p["run_dir"]), tuning.judged(cell[0]), tuning.last) for p in mine}
+        best = choose(scores)
+        if best is None:
+            raise ConfigError(f"tuning {'/'.join(c for c in cell if c)}: every tuning run diverged or failed "
+                              f"({', '.join(scores)}); widen tune.grid")
+        chosen[cell] = next(p["combo"] for p in mine if p["point"] == best)
+        rows += [{"setting": cell[0], "algorithm": cell[1], "point": p, "score": s, "chosen": int(p == best)}
+                 for p, s in scores.items()]
+        say(f"tuning {'/'.join(c for c in cell if c)}: {best} "
+            f"({', '.join(f'{p} {s:.4f}' if s is not None else f'{p} -' for p, s in scores.items())})")
+    write_tuned(sweep_dir / "tuning.csv", rows)
+    return chosen
+
+
+def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say, done=None) -> Path:
+    """Run the points not done, on Ray Tune (the sweep's folder is locked meanwhile).
+    `done(point)`: whether a point counts as done afterwards (default: it wrote a summary)."""
     from ray import tune
 
     from raysim.config import load_config
@@ -368,7 +470,7 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     for r in failed:
         why = (r.metrics or {}).get("raysim_error") or str(r.error).splitlines()[-1]
         say(f"point {r.config['point']['name']} failed: {why.splitlines()[0][:300]}")
-    done = sum((Path(p["run_dir"]) / "summary.json").is_file() for p in points)
+    done = sum(done(p) if done else (Path(p["run_dir"]) / "summary.json").is_file() for p in points)
     if failed:
         raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")
     if done < len(points):  # stopped (Ctrl-C, SIGTERM) before every point ran
@@ -396,6 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-listed", type=Path, metavar="CSV",
                    help="leave out the points a CSV lists by its grid-axis columns (a results table's runs.csv: "
                         "the runs another machine made)")
+    p.add_argument("--tuned", type=Path, metavar="CSV",
+                   help="a tuning.csv of tuning runs made elsewhere: its rows count as finished tuning points")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="the folder the sweep's folder goes in (default runs/sweeps; output_dir=DIR says the same)")
     args = p.parse_args(argv)
@@ -418,7 +522,14 @@ def main(argv=None) -> int:
             hit = sum(skipped(dict(zip(grid, combo)), listed) for combo in itertools.product(*grid.values()))
             print(f"{args.skip_listed}: {len(listed)} row(s), {hit} of the grid's points listed: left out")
             skip += listed
-        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip)
+        tuning = read_tune(args.file, grid)
+        tuned = None
+        if args.tuned is not None:
+            from raysim.tuning import read_tuned
+
+            tuned = read_tuned(args.tuned)
+        sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip, tuning=tuning,
+                          tuned=tuned)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

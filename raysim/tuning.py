@@ -1,0 +1,151 @@
+"""A sweep's tuning stage (issue 72): every algorithm tuned the same way, FedAvg included,
+before the sweep's own runs (NIID-Bench's and PFLlib's practice, made part of the sweep).
+
+A sweep file's `tune:` section:
+
+    tune:
+      seed: 0                   # the seed the choice is made on (the grid's seed axis value)
+      validation: 0.2           # eval.validation of the tuning runs: judged on held-out training samples
+      last: 3                   # the score: mean of the last 3 evaluations of the judged accuracy
+      judge: own                # own: the clients' own accuracy (personal, else local, else global) | global
+      judge_by_setting: {mnist_lt: global}
+      grid: {local.lr: [0.01, 0.03, 0.1]}                  # every algorithm
+      by_algorithm:                                        # label (or name) -> its key hyper-parameter(s)
+        fedprox: {fedprox.mu: [0.001, 0.01, 0.1]}          # source in a comment beside it
+
+For each (setting, algorithm) of the grid, the tuning points are the product of `grid` and
+the algorithm's `by_algorithm` entry, run at `seed` with `eval.validation`, so that neither
+the global test set nor the clients' own test splits take part in the choice
+(raysim/data/validation.py). The chosen point (the best score; a diverged or unfinished
+tuning run never wins; ties go to the first in the grid's order) is appended to every one of
+that cell's runs (all seeds, no validation carve). The scores and the choice are written to
+the sweep folder's tuning.csv, which `--tuned CSV` reads back on another machine (its rows
+count as finished tuning runs), as runs.csv does for the runs themselves.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raysim.errors import ConfigError
+
+JUDGES = ("own", "global")
+CSV_FIELDS = ("setting", "algorithm", "point", "score", "chosen")
+
+
+@dataclass
+class Tuning:
+    seed: str = "0"
+    validation: float = 0.2
+    last: int = 3
+    judge: str = "own"
+    judge_by_setting: dict = field(default_factory=dict)
+    grid: dict = field(default_factory=dict)  # key -> [values]
+    by_algorithm: dict = field(default_factory=dict)  # algorithm label -> {key: [values]}
+
+    def combos(self, algorithm: str) -> list[list[str]]:
+        """The tuning points of one algorithm: lists of overrides, in the grid's order."""
+        axes = {**self.grid, **self.by_algorithm.get(algorithm, {})}
+        if not axes:
+            return [[]]
+        return [[f"{k}={json.dumps(v)}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
+
+    def judged(self, setting: str) -> str:
+        return self.judge_by_setting.get(setting, self.judge)
+
+
+def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[str]) -> Tuning | None:
+    """The sweep file's `tune:` section (None without one), each key checked."""
+    raw = spec.get("tune")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: tune must be a mapping (seed, validation, last, judge, grid, by_algorithm)")
+    allowed = {"seed", "validation", "last", "judge", "judge_by_setting", "grid", "by_algorithm"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: tune has unknown key(s) {', '.join(sorted(unknown))}; allowed: "
+                          f"{', '.join(sorted(allowed))}")
+    t = Tuning(seed=str(raw.get("seed", 0)), validation=float(raw.get("validation", 0.2)), last=int(raw.get("last", 3)),
+               judge=str(raw.get("judge", "own")), judge_by_setting=dict(raw.get("judge_by_setting") or {}),
+               grid=dict(raw.get("grid") or {}), by_algorithm=dict(raw.get("by_algorithm") or {}))
+    if not 0 < t.validation < 1:
+        raise ConfigError(f"{where}: tune.validation must be in (0, 1) (the tuning runs' held-out share), "
+                          f"got {t.validation}")
+    if t.last < 1:
+        raise ConfigError(f"{where}: tune.last must be >= 1 (evaluations averaged), got {t.last}")
+    for judge in [t.judge, *t.judge_by_setting.values()]:
+        if judge not in JUDGES:
+            raise ConfigError(f"{where}: tune judge {judge!r}: allowed {', '.join(JUDGES)}")
+    for s in t.judge_by_setting:
+        if s not in settings:
+            raise ConfigError(f"{where}: tune.judge_by_setting names {s!r}, not a setting ({', '.join(settings)})")
+    for a in t.by_algorithm:
+        if a not in algorithms:
+            raise ConfigError(f"{where}: tune.by_algorithm names {a!r}, not an algorithm of the grid")
+    for name, axes in [("grid", t.grid), *((f"by_algorithm.{a}", v) for a, v in t.by_algorithm.items())]:
+        if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
+            raise ConfigError(f"{where}: tune.{name} must be a mapping {{key: [values]}}")
+        if len(list(itertools.product(*axes.values()))) > 9:
+            raise ConfigError(f"{where}: tune.{name} has more than 9 points; the tuning grid stays small")
+    return t
+
+
+def point_suffix(overrides: list[str]) -> str:
+    """A tuning point's part of its folder name: lr=0.01,mu=0.1 ('default' for none)."""
+    return ",".join(f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides) \
+        or "default"
+
+
+def score(run_dir: Path, judge: str, last: int) -> float | None:
+    """A tuning run's score: the mean of its last `last` evaluations of the judged accuracy
+    (own: personal_accuracy, else local_accuracy, else accuracy; global: accuracy); None
+    for a run that diverged, failed or has not finished (it never wins)."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return None
+    status = json.loads(summary.read_text()).get("status")
+    if status not in (None, "finished"):
+        return None
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run_dir / "metrics.parquet")
+    names = table.column_names
+    order = ["personal_accuracy", "local_accuracy", "accuracy"] if judge == "own" else ["accuracy"]
+    for key in order:
+        if key in names:
+            values = [v for v in table.column(key).to_pylist() if v is not None]
+            if values:
+                return sum(values[-last:]) / len(values[-last:])
+    return None
+
+
+def choose(scores: dict[str, float | None]) -> str | None:
+    """The best-scoring point (first in order on a tie); None when none scored."""
+    scored = [(s, -i, p) for i, (p, s) in enumerate(scores.items()) if s is not None]
+    return max(scored)[2] if scored else None
+
+
+def read_tuned(path: Path) -> dict:
+    """A tuning.csv: {(setting, algorithm, point): score or None}."""
+    if not path.is_file():
+        raise ConfigError(f"--tuned {path}: no such file")
+    out = {}
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if set(CSV_FIELDS) - set(reader.fieldnames or []):
+            raise ConfigError(f"--tuned {path}: not a tuning.csv (columns {', '.join(CSV_FIELDS)})")
+        for row in reader:
+            out[(row["setting"], row["algorithm"], row["point"])] = float(row["score"]) if row["score"] else None
+    return out
+
+
+def write_tuned(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})

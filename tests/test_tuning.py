@@ -1,0 +1,96 @@
+"""The sweep's tuning stage (raysim/tuning.py, issue 72): every algorithm tuned on held-out
+training samples, the choice appended to its runs."""
+import csv
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from raysim.tuning import choose, score
+
+
+def write_idx(path: Path, arr: np.ndarray) -> None:
+    path.write_bytes(struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+                     + arr.astype(np.uint8).tobytes())
+
+
+def mnist_whose_test_labels_disagree(root: Path) -> None:
+    """MNIST's files with learnable images (class c: a bright block at its own place), and a
+    test set whose labels are shifted by one: a model that learns the training data scores
+    ~0 there, one that learns nothing ~10 %. Validation and test then disagree."""
+    rng = np.random.default_rng(0)
+
+    def images(y):
+        x = rng.integers(0, 60, (len(y), 28, 28))
+        for i, c in enumerate(y):
+            r, q = divmod(int(c), 5)
+            x[i, 4 + 10 * r:10 + 10 * r, 2 + 5 * q:6 + 5 * q] = 255
+        return x
+
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    y_train, y_test = rng.integers(0, 10, 600), rng.integers(0, 10, 200)
+    write_idx(raw / "train-images-idx3-ubyte", images(y_train))
+    write_idx(raw / "train-labels-idx1-ubyte", y_train)
+    write_idx(raw / "t10k-images-idx3-ubyte", images(y_test))
+    write_idx(raw / "t10k-labels-idx1-ubyte", (y_test + 1) % 10)
+
+
+def test_choose_takes_the_best_score_never_a_failed_run_and_the_first_on_a_tie():
+    assert choose({"lr=0.01": 0.5, "lr=0.1": 0.7, "lr=1": None}) == "lr=0.1"
+    assert choose({"a": 0.6, "b": 0.6}) == "a"
+    assert choose({"a": None}) is None
+
+
+def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise(ray_local, tmp_path):
+    from raysim.run import main as run
+    from raysim.sweep import main as sweep
+
+    mnist_whose_test_labels_disagree(tmp_path / "data")
+    fixed = {"dataset": "mnist", "data_dir": str(tmp_path / "data"), "download": False, "model": "mclr",
+             "rounds": 3, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
+             "resources": {"num_actors": 1}}
+    (tmp_path / "s.yaml").write_text(json.dumps({
+        "name": "t", "fixed": fixed, "grid": {"seed": [0], "algorithm": ["fedavg"]},
+        "tune": {"seed": 0, "validation": 0.25, "last": 2, "judge": "global", "grid": {"local.lr": [0.00001, 0.1]}}}))
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out" / "t"
+    rows = list(csv.DictReader((out / "tuning.csv").open()))
+    by_point = {r["point"]: r for r in rows}
+    assert set(by_point) == {"lr=1e-05", "lr=0.1"}
+    for point, row in by_point.items():  # each score: the tuning run's last 2 evaluations, on validation samples
+        run_dir = out / "tuning" / f"seed=0,algorithm=fedavg,{point}"
+        assert "validation: 0.25" in (run_dir / "config.yaml").read_text()
+        assert float(row["score"]) == pytest.approx(score(run_dir, "global", 2))
+        acc = pq.read_table(run_dir / "metrics.parquet").column("accuracy").to_pylist()
+        assert float(row["score"]) == pytest.approx(np.mean([a for a in acc if a is not None][-2:]))
+    assert by_point["lr=0.1"]["chosen"] == "1" and float(by_point["lr=0.1"]["score"]) > 0.5
+    final = (out / "seed=0,algorithm=fedavg" / "config.yaml").read_text()
+    assert "lr: 0.1" in final and "validation: 0.0" in final  # the chosen lr, judged on the test set again
+    test_scores = {}
+    for lr in (0.00001, 0.1):  # the same two points judged by the test set
+        assert run(["dataset=mnist", f"data_dir={tmp_path / 'data'}", "download=false", "model=mclr", "rounds=3",
+                    "num_clients=4", "participation=1.0", "local.epochs=1", f"local.lr={lr}", "--quiet",
+                    f"output_dir={tmp_path / 'test'}", f"run_name=lr{lr}"]) == 0
+        test_scores[lr] = score(tmp_path / "test" / f"lr{lr}", "global", 2)
+    assert test_scores[0.00001] > test_scores[0.1]  # the test set would have chosen the other lr
+
+
+@pytest.mark.parametrize("tune,says", [
+    ({"validation": 1.0}, "tune.validation must be in (0, 1)"),
+    ({"judge": "best"}, "tune judge 'best': allowed own, global"),
+    ({"by_algorithm": {"fedfoo": {"x.y": [1]}}}, "tune.by_algorithm names 'fedfoo', not an algorithm of the grid"),
+    ({"seed": 7}, "tune.seed=7 is not a value of grid.seed"),
+    ({"lr": [1]}, "tune has unknown key(s) lr"),
+])
+def test_a_bad_tune_section_is_refused_in_one_line(tmp_path, capfd, tune, says):
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s.yaml").write_text(json.dumps({"grid": {"seed": [0], "algorithm": ["fedavg"]}, "tune": tune}))
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
