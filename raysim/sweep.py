@@ -395,7 +395,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     points = plan(files, fixed, grid, sweep_dir, skip)  # every point's config checked before anything runs
     todo = [p for p in points if p["state"] != "done"]
     if not todo:
-        say(f"sweep {sweep_dir}: {len(points)} points, all done")
+        say(f"sweep {sweep_dir}: {len(points)} points, {len(points)} done, 0 to run")
         return sweep_dir
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(sweep_dir):

@@ -8,6 +8,9 @@ import re
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
+import pytest
+
 from raysim.results.table import main as table
 from raysim.run import main as run
 
@@ -55,10 +58,15 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert "[note 2](#note-2)" in next(line for line in text.splitlines() if line.startswith("| [fedper]"))
     assert "## digits" in text and "## syn" in text and "3 of 3 runs done" in text
     fedavg = json.loads((runs / "t" / "seed=0,setting=digits,algorithm=fedavg" / "summary.json").read_text())
-    assert (f"| [fedavg](results/digits/fedavg.yaml) | {100 * fedavg['final_accuracy']:.1f} ± 0.0 | "
-            f"{100 * fedavg['final_local_accuracy']:.1f} ± 0.0 |") in text  # per client: the global model there
+    curve = pq.read_table(runs / "t" / "seed=0,setting=digits,algorithm=fedavg" / "metrics.parquet").to_pydict()
+    glob = [a for a in curve["accuracy"] if a is not None]
+    own = [a for a in curve["local_accuracy"] if a is not None]
+    last3 = lambda v: 100 * sum(v[-3:]) / len(v[-3:])  # noqa: E731  # a run's accuracy: its last 3 evaluations
+    assert (f"| [fedavg](results/digits/fedavg.yaml) | - | {last3(glob):.1f} ± 0.0 | {100 * max(glob):.1f} ± 0.0 | "
+            f"{last3(own):.1f} ± 0.0 | {100 * max(own):.1f} ± 0.0 |") in text  # per client: the global model there
+    assert f"Every run from raysim {fedavg['raysim_commit']} (3 runs)" in text
     fedper_row = next(line for line in text.splitlines() if line.startswith("| [fedper](results/digits/"))
-    assert "†" in fedper_row and fedper_row.split("|")[3].strip() != "-"  # its own models' accuracy
+    assert "†" in fedper_row and fedper_row.split("|")[5].strip() != "-"  # its own models' accuracy
     assert "| fedper | not run |" in text and "fedper on syn" in text
     hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "runs.csv").open()))
     assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
@@ -118,8 +126,8 @@ def test_a_cell_with_a_diverged_run_says_so(tmp_path):
         w.writerows(rows)
     assert write_doc(f, tmp_path / "results.md", tmp_path / "runs") == {"runs": 3, "done": 2}
     text = (tmp_path / "results.md").read_text()
-    assert "| fedavg | 50.0 ± 0.0 (1 diverged) | 40.0 ± 0.0 (1 diverged) |" in text
-    assert "| fedper | 90.0 ± 0.0 † | 95.0 ± 0.0 |" in text  # per client: its own models'
+    assert "| fedavg | - | 1 diverged | - | 1 diverged | - |" in text  # never its numbers from before it diverged
+    assert "| fedper | - | 90.0 ± 0.0 † | 90.0 ± 0.0 | 95.0 ± 0.0 | 95.0 ± 0.0 |" in text  # per client: its own models'
 
 
 def test_skip_listed_that_names_no_grid_axis_or_no_file_is_one_line(tmp_path):
@@ -147,13 +155,15 @@ def test_one_cell_with_an_option_of_its_algorithms_own_section(tmp_path):
 
 
 def test_a_clustered_methods_global_model_is_marked_and_its_clients_judged_by_their_group_models():
-    from raysim.results.published import _global_mark, _method, _per_client
+    from raysim.results.published import _accuracy, _global_mark, _method
 
     assert _global_mark("ifca", [{"record": {}}]) == " ‡" and _global_mark("fedgroup", [{"record": {}}]) == " ‡"
     assert _global_mark("fedavg", [{"record": {}}]) == ""
     assert _global_mark("fedper", [{"record": {"server_model_unshared": "head"}}]) == " †"
-    assert _per_client({"final_local_accuracy": 0.5}) == 0.5
-    assert _per_client({"final_local_accuracy": 0.5, "final_personal_accuracy": 0.9}) == 0.9
+    assert _accuracy({"final_local_accuracy": 0.5}, True, 3) == 0.5
+    assert _accuracy({"final_local_accuracy": 0.5, "final_personal_accuracy": 0.9}, True, 3) == 0.9
+    assert _accuracy({"per_client_curve": "5:0.5000 10:0.7000 15:0.6000 20:0.8000"}, True, 3) == pytest.approx(0.7)
+    assert _accuracy({"per_client_curve": "5:0.5000 10:0.7000 15:0.6000 20:0.8000"}, True, 0) == 0.8
     assert _method("fedavg") == "fedavg" and _method(["#label=fjord", 'algorithm="heterofl"']) == "heterofl"
 
 
@@ -247,3 +257,24 @@ def test_points_two_at_a_time_run_in_finished_points_processes_and_give_fresh_ru
     sha = [json.loads((d / "summary.json").read_text())["model_sha256"]
            for d in (tmp_path / "two" / f"seed={seed}", tmp_path / "fresh")]
     assert sha[0] == sha[1]
+
+
+def test_a_table_of_runs_from_two_commits_is_refused_unless_allowed_and_then_says_so(tmp_path):
+    from raysim.errors import ConfigError
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    rows = [{"setting": "digits", "algorithm": a, "seed": "0", "final_accuracy": "0.5", "status": "finished",
+             "model_sha256": "ab" * 32, "raysim_commit": c, "accuracy_curve": "5:0.4000 10:0.5000"}
+            for a, c in (("fedavg", "aaa"), ("fedper", "bbb"))]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    with pytest.raises(ConfigError, match="the runs come from 2 versions of raysim: aaa .1 runs.; bbb .1 runs."):
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs", allow_mixed=True)
+    assert "**Runs of 2 versions of raysim** (--allow-mixed): aaa (1 runs); bbb (1 runs)." in \
+        (tmp_path / "results.md").read_text()

@@ -64,28 +64,48 @@ def partition_figure(counts: np.ndarray, path: Path, title: str) -> Path:
     return path
 
 
-def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, title: Optional[str] = None) -> Path:
+def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, title: Optional[str] = None,
+                  columns: int = 1, unit: float = 1.0) -> Path:
     """One line per entry of `series` ({"label", "x", "mean", "low", "high"}), with a band
     between low and high (mean +- std over seeds) where there are several seeds, clipped to
-    [0, 1] for an accuracy. The legend goes under the axes, long labels wrapped."""
+    [0, `unit`] for an accuracy. The legend goes under the axes, long labels wrapped, in
+    `columns` columns; past 10 lines the colours repeat with another dash."""
     import textwrap
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5 + 0.3 * len(series)), layout="constrained")
-    share = "accuracy" in y_label  # a share: the band stays in [0, 1]
-    for s in series:
-        (line,) = ax.plot(s["x"], s["mean"], label="\n".join(textwrap.wrap(s["label"], 90)), linewidth=1.5)
+    rows = -(-len(series) // columns)
+    fig, ax = plt.subplots(figsize=(7.5 if columns == 1 else 10.0, 4.5 + 0.3 * rows), layout="constrained")
+    share = "accuracy" in y_label  # a share: the band stays in [0, unit]
+    dashes = ["-", "--", ":", "-."]
+    for i, s in enumerate(series):
+        (line,) = ax.plot(s["x"], s["mean"], label="\n".join(textwrap.wrap(s["label"], 90)), linewidth=1.5,
+                          linestyle=dashes[(i // 10) % len(dashes)])
         if s.get("low") is not None:
             low, high = s["low"], s["high"]
             if share:
-                low, high = [max(v, 0.0) for v in low], [min(v, 1.0) for v in high]
-            ax.fill_between(s["x"], low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+                low, high = [max(v, 0.0) for v in low], [min(v, unit) for v in high]
+            ax.fill_between(s["x"], low, high, color=line.get_color(), alpha=0.2 if len(series) <= 8 else 0.06,
+                            linewidth=0)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.legend(fontsize=7, loc="outside lower center", ncol=1, frameon=False)
+    fig.legend(fontsize=7, loc="outside lower center", ncol=columns, frameon=False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def band_curves(lines: dict[str, list[list[tuple]]], path: Path, title: str, ylabel: str) -> Path:
+    """`lines`: label -> each seed's curve [(round, value), ...]. One line per label: the mean
+    over the seeds that reached each round, with a band from their min to their max (a run
+    that diverged ends where it stopped, and its line with it when it was the last)."""
+    series = []
+    for label, curves in lines.items():
+        rounds = sorted({r for c in curves for r, _ in c})
+        at = [[v for c in curves for r, v in c if r == x] for x in rounds]
+        series.append({"label": label, "x": rounds, "mean": [sum(v) / len(v) for v in at],
+                       "low": [min(v) for v in at] if len(curves) > 1 else None,
+                       "high": [max(v) for v in at] if len(curves) > 1 else None})
+    return curves_figure(series, "round", ylabel, path, title=title, columns=4 if len(series) > 8 else 1, unit=100.0)

@@ -122,6 +122,10 @@ def main(argv=None) -> int:
                    "seed (configs/sweeps/results_table.yaml); with --doc, writes that document (raysim/results/published.py)")
     p.add_argument("--doc", type=Path, help="with --sweep: the markdown file to write (docs/results.md)")
     p.add_argument("--runs-dir", type=Path, help="with --sweep: where the sweep's folder is (default runs/sweeps)")
+    p.add_argument("--allow-mixed", action="store_true", help="with --sweep: accept runs of several raysim commits "
+                   "(the document's header then says so; by default a table is made from one commit's runs)")
+    p.add_argument("--last", type=int, help="with --sweep: a run's accuracy is the mean of its last N evaluations "
+                   "(default: the sweep file's tune.last, else 3)")
     p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "
                                   "between the runs, but the columns' and the seed)")
     p.add_argument("--cols", help="config keys for the columns (default: algorithm, when it differs)")
@@ -158,7 +162,10 @@ def _published(args) -> int:
         return 2
     try:
         got = write_doc(args.sweep, args.doc, args.runs_dir,
-                        command=f"python -m raysim.results.table --sweep {args.sweep} --doc {args.doc}")
+                        command=f"python -m raysim.results.table --sweep {args.sweep} --doc {args.doc}"
+                                + (" --allow-mixed" if args.allow_mixed else "")
+                                + (f" --last {args.last}" if args.last else ""),
+                        allow_mixed=args.allow_mixed, last=args.last)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -469,9 +469,12 @@ class FederatedServer:
             nodes[info["node_id"]] = nodes.get(info["node_id"], 0) + 1
             devices.add(info["device"])
             processors.add(f'{info["processor"]}, torch {info["torch"]}')
+        from raysim.provenance import code_version, config_sha256
+
         return {"client_actor_nodes": nodes, "determinism": bool(self.cfg.determinism),
                 "client_devices": sorted(devices),
-                "client_processors": sorted(processors)}  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
+                "client_processors": sorted(processors),  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
+                "raysim_commit": code_version(), "config_sha256": config_sha256(self.cfg)}
 
     def stop_early(self, rnd: int, status: str, error: type, why: str) -> None:
         """End the run in round `rnd`, which cannot go on: the rounds before stay in the run
