@@ -98,6 +98,15 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert {h["algorithm"]: h["model_sha256"] for h in again if h["setting"] == "digits"} == \
         {h["algorithm"]: h["model_sha256"] for h in hashes if h["setting"] == "digits"}
 
+    # --verify: rows re-run from their linked configs give the recorded bits; a row whose hash
+    # was changed does not, and says so
+    rc = table(["--sweep", str(f), "--doc", str(doc), "--verify", "2"])
+    assert rc == 0
+    tampered = listed.read_text().replace(want_hash := again[0]["model_sha256"], "0" * 64)
+    listed.write_text(tampered)
+    assert table(["--sweep", str(f), "--doc", str(doc), "--verify", "3"]) == 1
+    listed.write_text(tampered.replace("0" * 64, want_hash))
+
     # one cell again from its linked config: the same bits
     cell = tmp_path / "docs" / "results" / "digits" / "fedavg.yaml"
     assert "output_dir" not in cell.read_text() and "seed" not in cell.read_text().split("\n")[0]

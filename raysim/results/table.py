@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--runs-dir", type=Path, help="with --sweep: where the sweep's folder is (default runs/sweeps)")
     p.add_argument("--allow-mixed", action="store_true", help="with --sweep: accept runs of several raysim commits "
                    "(the document's header then says so; by default a table is made from one commit's runs)")
+    p.add_argument("--verify", type=int, metavar="N", help="with --sweep and --doc: re-run N random rows of the "
+                   "table from their configs and report whether they give the recorded bits (the same processor and "
+                   "torch) or an accuracy within the seeds' spread (elsewhere); writes nothing")
     p.add_argument("--last", type=int, help="with --sweep: a run's accuracy is the mean of its last N evaluations "
                    "(default: the sweep file's tune.last, else 3)")
     p.add_argument("--rows", help="config keys for the rows, comma-separated (default: every key that differs "
@@ -160,6 +163,19 @@ def _published(args) -> int:
     if args.sweep is None or args.doc is None or args.paths:
         print("error: --sweep FILE --doc OUT go together, with no run directories", file=sys.stderr)
         return 2
+    if args.verify is not None:
+        from raysim.results.verify import verify
+
+        try:
+            results = verify(args.doc, args.verify)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        bad = [r for r in results if not r["ok"]]
+        same = sum(bool(r["same_machine"]) for r in results)
+        print(f"verified {len(results)} row(s) ({same} on the recording machine's processor and torch): "
+              f"{len(results) - len(bad)} as recorded, {len(bad)} not")
+        return 1 if bad else 0
     try:
         got = write_doc(args.sweep, args.doc, args.runs_dir,
                         command=f"python -m raysim.results.table --sweep {args.sweep} --doc {args.doc}"
