@@ -287,3 +287,38 @@ def test_a_table_of_runs_from_two_commits_is_refused_unless_allowed_and_then_say
     write_doc(f, tmp_path / "results.md", tmp_path / "runs", allow_mixed=True)
     assert "**Runs of 2 versions of raysim** (--allow-mixed): aaa (1 runs); bbb (1 runs)." in \
         (tmp_path / "results.md").read_text()
+
+
+def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(tmp_path):
+    from raysim.errors import ConfigError
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    rows = [{"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "model_sha256": "ab" * 32,
+             "accuracy_curve": "1:0.4000 2:0.5000", "per_client_curve": "1:0.5000 2:0.6000"},
+            {"setting": "digits", "algorithm": "fedper", "seed": "0", "status": "finished", "model_sha256": "cd" * 32,
+             "accuracy_curve": "1:0.1000 2:0.2000", "per_client_curve": "1:0.8000 2:0.9000"}]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    claims = tmp_path / "results" / "claims.yaml"
+    claims.write_text("fedper: {baseline: fedavg, judge: own, claim: 'FedPer above FedAvg per client (Table 1)'}\n"
+                      "fedavg: {baseline: fedper, judge: global, settings: [syn], claim: 'a claim about syn'}\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    text = (tmp_path / "results.md").read_text()
+    fedper = next(line for line in text.splitlines() if line.startswith("| fedper |"))
+    assert "[yes](#claim-fedper)" in fedper  # 85.0 per client against FedAvg's 55.0
+    assert "[n/c](#claim-fedavg)" in next(line for line in text.splitlines() if line.startswith("| fedavg |"))
+    assert "in 1 cells the table reproduces its paper's direction, in **0 it does not**, 1 are not comparable" in text
+    assert '<a id="claim-fedper"></a>**fedper** (against fedavg, own): FedPer above FedAvg per client (Table 1)' in text
+    claims.write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n"
+                      "fedavg: {baseline: fedper, judge: own, claim: 'per client'}\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert "[no](#claim-fedavg)" in next(line for line in (tmp_path / "results.md").read_text().splitlines()
+                                          if line.startswith("| fedavg |"))  # 55.0 per client against FedPer's 85.0
+    claims.write_text("fedpr: {baseline: fedavg, judge: own, claim: x}\n")
+    with pytest.raises(ConfigError, match="claims.yaml: fedpr: not an algorithm of the table"):
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs")

@@ -180,6 +180,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         raise ConfigError(f"{side / 'notes.yaml'}: {wrong[0]!r} names no cell; keys are setting/algorithm or "
                           f"*/algorithm, settings: {', '.join(plan['settings'])}; algorithms: "
                           f"{', '.join(plan['algorithms'])}")
+    claims = read_claims(side / "claims.yaml", plan["settings"], plan["algorithms"])
     numbered: dict[str, int] = {}  # note text -> its number, in the order the tables first cite it
 
     def note(setting: str, algorithm: str) -> str:
@@ -233,17 +234,24 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     index = {(p["setting"], p["algorithm"]): [] for p in plan["points"]}
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
+    means = {key: _cell_means(points, last) for key, points in index.items()}
+    verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], means) for key in index}
+    counted = {v: sum(x == v for x in verdicts.values()) for v in ("yes", "no", "n/c")}
+    lines += [f"**The papers' claims** (each method's headline comparison, [below](#the-papers-claims)): in "
+              f"{counted['yes']} cells the table reproduces its paper's direction, in **{counted['no']} it does not**, "
+              f"{counted['n/c']} are not comparable (another setting or metric), "
+              f"{sum(v == '-' for v in verdicts.values())} have no claim recorded yet or no runs.", ""]
     records = []
     for setting in plan["settings"]:
         picture = _setting_figure(setting, [p for p in plan["points"] if p["setting"] == setting and p["record"]],
                                   plan["algorithms"], side)
         lines += [f"## {setting}", ""] + ([f"![{setting}: accuracy per round](results/{picture})", ""] if picture else [])
-        lines += ["| algorithm | tuned | global | best | per client | best | MiB | sim s | note |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["| algorithm | tuned | global | best | per client | best | MiB | sim s | paper | note |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for algorithm in plan["algorithms"]:
             cell = index.get((setting, algorithm))
             if cell is None:
-                lines.append(f"| {algorithm} | not run | | | | {note(setting, algorithm)} |")
+                lines.append(f"| {algorithm} | not run | | | | | | | | {note(setting, algorithm)} |")
                 continue
             ran = [p for p in cell if p["record"] is not None]
             config = side / setting / f"{algorithm}.yaml"
@@ -268,12 +276,20 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             tuned = next((p["record"].get("tuned") for p in ran if p["record"].get("tuned")), None) or "-"
             lines.append(f"| {link} | {tuned} | {glob}{mark if glob != '-' else ''}{gone if glob != '-' else ''} | "
                          f"{glob_best} | {own}{gone if own != '-' else ''} | {own_best} | {mib} | {sim} | "
-                         f"{note(setting, algorithm)} |")
+                         f"{_verdict_link(verdicts[(setting, algorithm)], algorithm)} | {note(setting, algorithm)} |")
             records += [p["record"] for p in ran]
         lines.append("")
     if plan["skipped"]:
         lines += ["Not run (the sweep file's `skip`: combinations that cannot run): " + ", ".join(
             sorted({f"{p['algorithm']} on {p['setting']}" for p in plan["skipped"]})) + ".", ""]
+    if claims:
+        lines += ["## The papers' claims", "", "Each method's paper's headline comparison, and the column of this "
+                  "table it is read against (*global* or *per client*): a cell says **yes** where the method's mean "
+                  "there is above its baseline's in the same setting, **no** where it is not (or every run diverged), "
+                  "*n/c* where the claim is about another kind of setting. Every \"no\" carries a note with its "
+                  "measured cause or fix.", ""]
+        lines += [f'<a id="claim-{a}"></a>**{a}** (against {c["baseline"]}, {c["judge"]}): {c["claim"]}\n'
+                  for a, c in claims.items()]
     if numbered:
         lines += ["## Notes", "", "Why a cell trails FedAvg's in its setting, or what it must be compared with, as "
                   "measured (\"sweep ... X=Y\": the cell's point with one key changed, `python -m raysim.sweep "
@@ -289,6 +305,64 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     w.writerows(sorted(records, key=lambda r: (r["setting"], r["algorithm"], str(r["seed"]))))
     (side / "runs.csv").write_text(buf.getvalue())
     return {"runs": len(plan["points"]), "done": len(done)}
+
+
+def read_claims(path: Path, settings: list, algorithms: list) -> dict:
+    """claims.yaml: {algorithm: {baseline, judge (global | own), claim (text: the paper's
+    comparison, its numbers, table and page), settings (where comparable; default all)}}."""
+    if not path.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    out = {}
+    for a, c in raw.items():
+        where = f"{path}: {a}"
+        if a not in algorithms:
+            raise ConfigError(f"{where}: not an algorithm of the table ({', '.join(algorithms)})")
+        if not isinstance(c, dict) or not {"baseline", "judge", "claim"} <= set(c):
+            raise ConfigError(f"{where}: needs baseline, judge (global | own) and claim")
+        if c["baseline"] not in algorithms or c["judge"] not in ("global", "own"):
+            raise ConfigError(f"{where}: baseline must be an algorithm of the table and judge global or own")
+        bad = [x for x in c.get("settings") or [] if x not in settings]
+        if bad:
+            raise ConfigError(f"{where}: settings names {bad[0]!r}, not one of {', '.join(settings)}")
+        out[a] = {"baseline": c["baseline"], "judge": c["judge"], "claim": str(c["claim"]).strip(),
+                  "settings": list(c.get("settings") or [])}
+    return out
+
+
+def _cell_means(points: list, last: int) -> tuple | None:
+    """(global, per client) means of a cell's runs that did not diverge; (None, None) when
+    every run diverged; None when none ran."""
+    ran = [p["record"] for p in points if p["record"] is not None]
+    if not ran:
+        return None
+    ok = [r for r in ran if r.get("status") != "diverged"]
+
+    def mean(own: bool):
+        v = [x for x in (_accuracy(r, own, last) for r in ok) if x is not None]
+        return sum(v) / len(v) if v else None
+    return mean(False), mean(True)
+
+
+def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> str:
+    """yes / no / n/c for a cell against its paper's claim; '-' without a claim or runs."""
+    if claim is None:
+        return "-"
+    if claim["settings"] and setting not in claim["settings"]:
+        return "n/c"
+    mine, base = means.get((setting, algorithm)), means.get((setting, claim["baseline"]))
+    if mine is None or base is None:
+        return "-"
+    i = 0 if claim["judge"] == "global" else 1
+    if base[i] is None:
+        return "-"
+    return "yes" if mine[i] is not None and mine[i] > base[i] else "no"
+
+
+def _verdict_link(verdict: str, algorithm: str) -> str:
+    return verdict if verdict == "-" else f"[{verdict}](#claim-{algorithm})"
 
 
 def curve_values(text: str | None) -> list[float]:
