@@ -204,7 +204,11 @@ def read_tune(file: Path | None, grid: dict):
         raise ConfigError(f"sweep file {file}: tune needs grid axes algorithm and seed (it tunes each algorithm on "
                           "one seed)")
     labels = lambda axis: [_label(v) or v for v in grid.get(axis, [])]  # noqa: E731
-    tuning = read_tuning(spec, f"sweep file {file}", labels("setting"), labels("algorithm"))
+
+    def in_file(axis: str) -> list[str]:  # the file's own values: the command line may have cut the axis
+        return [str(v.get("label", v.get(axis))) if isinstance(v, dict) else str(v)
+                for v in (spec.get("grid") or {}).get(axis) or []] or labels(axis)
+    tuning = read_tuning(spec, f"sweep file {file}", in_file("setting"), in_file("algorithm"))
     if tuning.seed not in labels("seed"):
         raise ConfigError(f"sweep file {file}: tune.seed={tuning.seed} is not a value of grid.seed")
     return tuning
