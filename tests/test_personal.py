@@ -369,3 +369,39 @@ def test_pfedme_refuses_an_inner_step_that_cannot_be_stable_and_notes_momentum()
                                        resolve(read_layers((), ["algorithm=pfedme", *o])))
     assert any("local.momentum=0.9 applies to w's step" in line for line in notes())
     assert not any("local.momentum" in line for line in notes("local.momentum=0"))
+
+
+def test_lg_fedavg_warm_start_is_fedavg_on_the_whole_model_then_lg_from_the_warm_encoder():
+    """lg_fedavg.warm_rounds (the authors start LG-FedAvg from a FedAvg model, main_lg.py
+    --load_fed): rounds 1..N are FedAvg's own, bit for bit, with nothing kept on the clients;
+    in round N + 1 a client starts from the warm encoder, keeps what it trains, and the
+    server's encoder stays the warm one while its head moves."""
+    import torch
+
+    from raysim.config import load_config
+    from raysim.testing import InProcessServer
+
+    common = ["dataset=digits", "model=mlp", "model_options.hidden=[16]", "num_clients=4", "participation=0.5",
+              "partition.test_fraction=0.2"]
+    lg = InProcessServer.from_config(load_config(overrides=["algorithm=lg_fedavg", "lg_fedavg.warm_rounds=2",
+                                                            *common]))
+    fa = InProcessServer.from_config(load_config(overrides=["algorithm=fedavg", *common]))
+    lg.setup()
+    fa.setup()
+    for rnd in (1, 2):
+        lg.round(rnd)
+        fa.round(rnd)
+    warm = {k: v.clone() for k, v in lg.algorithm.model.state_dict().items()}
+    assert all(torch.equal(warm[k], v) for k, v in fa.algorithm.model.state_dict().items())
+    assert not any("kept" in s for s in lg.states.values())
+    lg.round(3)
+    cohort = lg.select_clients(3)
+    after = lg.algorithm.model.state_dict()
+    assert all(torch.equal(after[k], warm[k]) for k in after if k.startswith("encoder."))  # never averaged
+    assert not torch.equal(after["head.weight"], warm["head.weight"])
+    sent = lg.algorithm.broadcast(4)  # what a client without an encoder of its own starts from: the warm one
+    assert sent["warm"] is False and all(torch.equal(sent["weights"][k], warm[k]) for k in warm if k.startswith("encoder."))
+    for c in cohort:  # each kept the encoder it trained
+        kept = lg.states[c]["kept"]
+        assert set(kept) == {k for k in after if k.startswith("encoder.")}
+        assert not torch.equal(kept["encoder.1.weight"], warm["encoder.1.weight"])
