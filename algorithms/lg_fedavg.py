@@ -11,7 +11,8 @@ are averaged. Here the first `warm_rounds` rounds are FedAvg on the whole model 
 on the clients); after them the server sends the whole model each round, its encoder the warm
 one, which a client starts from in its first LG round (its own encoder afterwards). The
 download counts that encoder every round (a returning client would not need it). 0 (the
-default): LG-FedAvg from the initial model, PFLlib's way."""
+default): LG-FedAvg from the initial model, PFLlib's way. `warm_share`: the warm rounds as a share
+of `rounds` (a sweep over settings of different lengths)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from raysim.algorithms._personal import Personal
 @dataclass
 class LGFedAvgOptions(Options):
     warm_rounds: int = option(0, at_least=0)  # rounds of FedAvg on the whole model first (the authors' warm start)
+    warm_share: float = option(0.0, at_least=0, below=1)  # with warm_rounds 0: that share of `rounds` (rounded down) instead
 
 
 @ALGORITHMS.register("lg_fedavg")
@@ -39,7 +41,8 @@ class LGFedAvg(Personal):
 
     @property
     def warm_rounds(self) -> int:
-        return int(self.cfg.lg_fedavg.warm_rounds)
+        o = self.cfg.lg_fedavg
+        return int(o.warm_rounds) or int(float(o.warm_share) * int(self.cfg.rounds))
 
     # ---- server ----
     def setup(self, server: Server) -> None:

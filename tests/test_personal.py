@@ -383,7 +383,7 @@ def test_lg_fedavg_warm_start_is_fedavg_on_the_whole_model_then_lg_from_the_warm
 
     common = ["dataset=digits", "model=mlp", "model_options.hidden=[16]", "num_clients=4", "participation=0.5",
               "partition.test_fraction=0.2"]
-    lg = InProcessServer.from_config(load_config(overrides=["algorithm=lg_fedavg", "lg_fedavg.warm_rounds=2",
+    lg = InProcessServer.from_config(load_config(overrides=["algorithm=lg_fedavg", "lg_fedavg.warm_share=0.5", "rounds=4",
                                                             *common]))
     fa = InProcessServer.from_config(load_config(overrides=["algorithm=fedavg", *common]))
     lg.setup()
