@@ -322,3 +322,25 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     claims.write_text("fedpr: {baseline: fedavg, judge: own, claim: x}\n")
     with pytest.raises(ConfigError, match="claims.yaml: fedpr: not an algorithm of the table"):
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+
+
+def test_the_tuned_column_comes_from_the_sweeps_tuning_csv_which_is_kept_beside_runs_csv(tmp_path):
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished",
+                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000"})
+    sweep_dir = tmp_path / "runs" / "t"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "tuning.csv").write_text("setting,algorithm,point,score,chosen\n"
+                                          "digits,fedavg,lr=0.01,0.3,0\ndigits,fedavg,lr=0.1,0.6,1\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert "| fedavg | lr=0.1 | 45.0 ± 0.0 |" in (tmp_path / "results.md").read_text()
+    kept = (tmp_path / "results" / "tuning.csv").read_text()
+    assert "digits,fedavg,lr=0.1,0.6,1" in kept
+    assert "--tuned " + str(tmp_path / "results" / "tuning.csv") in (tmp_path / "results.md").read_text()
