@@ -8,6 +8,8 @@ A sweep file's `tune:` section:
       validation: 0.2           # eval.validation of the tuning runs: judged on held-out training samples
       last: 3                   # the score: mean of the last 3 evaluations of the judged accuracy
       judge: own                # own: the clients' own accuracy (personal, else local, else global) | global
+                                # | balanced: the global model's mean accuracy over the classes (a long-tailed
+                                #   validation set judged as a balanced test set is)
       judge_by_setting: {mnist_lt: global}
       grid: {local.lr: [0.01, 0.03, 0.1]}                  # every algorithm
       by_algorithm:                                        # label (or name) -> its key hyper-parameter(s)
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from raysim.errors import ConfigError
 
-JUDGES = ("own", "global")
+JUDGES = ("own", "global", "balanced")
 CSV_FIELDS = ("setting", "algorithm", "point", "score", "chosen")
 
 
@@ -102,7 +104,8 @@ def point_suffix(overrides: list[str]) -> str:
 
 def score(run_dir: Path, judge: str, last: int) -> float | None:
     """A tuning run's score: the mean of its last `last` evaluations of the judged accuracy
-    (own: personal_accuracy, else local_accuracy, else accuracy; global: accuracy); None
+    (own: personal_accuracy, else local_accuracy, else accuracy; global: accuracy; balanced:
+    the global model's per-class accuracy averaged over the classes its test set holds); None
     for a run that diverged, failed or has not finished (it never wins)."""
     summary = run_dir / "summary.json"
     if not summary.is_file():
@@ -114,6 +117,14 @@ def score(run_dir: Path, judge: str, last: int) -> float | None:
 
     table = pq.read_table(run_dir / "metrics.parquet")
     names = table.column_names
+    if judge == "balanced":  # the mean over the classes the (validation) test set holds
+        counts = json.loads(summary.read_text()).get("test_class_counts")
+        if counts is None or "per_class_accuracy" not in names:
+            return None
+        held = [c for c, n in enumerate(counts) if n > 0]
+        rows = [r for r in table.column("per_class_accuracy").to_pylist() if r is not None]
+        values = [sum(r[c] for c in held) / len(held) for r in rows]
+        return sum(values[-last:]) / len(values[-last:]) if values else None
     order = ["personal_accuracy", "local_accuracy", "accuracy"] if judge == "own" else ["accuracy"]
     for key in order:
         if key in names:

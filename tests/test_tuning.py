@@ -68,6 +68,12 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
         acc = pq.read_table(run_dir / "metrics.parquet").column("accuracy").to_pylist()
         assert float(row["score"]) == pytest.approx(np.mean([a for a in acc if a is not None][-2:]))
     assert by_point["lr=0.1"]["chosen"] == "1" and float(by_point["lr=0.1"]["score"]) > 0.5
+    run_dir = out / "tuning" / "seed=0,algorithm=fedavg,lr=0.1"  # balanced: per-class accuracy over the classes held
+    counts = json.loads((run_dir / "summary.json").read_text())["test_class_counts"]
+    rows = [r for r in pq.read_table(run_dir / "metrics.parquet").column("per_class_accuracy").to_pylist() if r]
+    held = [c for c, n in enumerate(counts) if n]
+    assert 140 < sum(counts) <= 150 and score(run_dir, "balanced", 2) == pytest.approx(
+        np.mean([np.mean([r[c] for c in held]) for r in rows[-2:]]))
     final = (out / "seed=0,algorithm=fedavg" / "config.yaml").read_text()
     assert "lr: 0.1" in final and "validation: 0.0" in final  # the chosen lr, judged on the test set again
     test_scores = {}
@@ -81,7 +87,7 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
 
 @pytest.mark.parametrize("tune,says", [
     ({"validation": 1.0}, "tune.validation must be in (0, 1)"),
-    ({"judge": "best"}, "tune judge 'best': allowed own, global"),
+    ({"judge": "best"}, "tune judge 'best': allowed own, global, balanced"),
     ({"by_algorithm": {"fedfoo": {"x.y": [1]}}}, "tune.by_algorithm names 'fedfoo', not an algorithm of the grid"),
     ({"seed": 7}, "tune.seed=7 is not a value of grid.seed"),
     ({"lr": [1]}, "tune has unknown key(s) lr"),

@@ -474,7 +474,8 @@ class FederatedServer:
         return {"client_actor_nodes": nodes, "determinism": bool(self.cfg.determinism),
                 "client_devices": sorted(devices),
                 "client_processors": sorted(processors),  # "Intel(R) Xeon(R) Processor, torch 2.14.1+cu130"
-                "raysim_commit": code_version(), "config_sha256": config_sha256(self.cfg)}
+                "raysim_commit": code_version(), "config_sha256": config_sha256(self.cfg),
+                "test_class_counts": self.test_counts.tolist()}  # the test set's classes (validation mode: its)
 
     def stop_early(self, rnd: int, status: str, error: type, why: str) -> None:
         """End the run in round `rnd`, which cannot go on: the rounds before stay in the run
