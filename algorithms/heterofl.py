@@ -19,10 +19,14 @@ model (width 1) is evaluated, and the global model cut to each smaller rate in u
 
 Compared with the authors' code (dem123456789/HeteroFL-Computation-and-Communication-Efficient-
 Federated-Learning-for-Heterogeneous-Clients, fed.py `split_model` / `combine`; models/conv.py's
-Scaler). Not followed: their static BatchNorm (statistics recomputed after training) is part
-of their own networks, which the zoo's models do not have (cnn and mlp have no BatchNorm); every
-client downloads the whole global model here (bytes_down counts it), where theirs receive the
-sub-model only.
+Scaler). Their static BatchNorm ("sBN": BatchNorm without running statistics in training, and
+before each test the statistics of the training data passed through the global model,
+train_classifier_fed.py `stats`) is `heterofl.norm=static` with `model_options.norm=batch`
+(every client there passes its own data through each evaluated width and the server averages
+the batches' statistics: `static_statistics`); the default `running` averages BatchNorm's
+running statistics like the weights, and the zoo's cnn and mlp have no BatchNorm unless asked.
+Every client downloads the whole global model here (bytes_down counts it), where theirs
+receive the sub-model only.
 
 `heterofl.variant=fjord` is FjORD (Horvath et al. 2021, "FjORD: Fair and Accurate Federated
 Learning under heterogeneous targets with Ordered Dropout"): a client of rate r holds the
@@ -66,6 +70,7 @@ class HeteroFLOptions(Options):
     scaler: bool = option(True)  # a sub-model's hidden layers' outputs times 1/rate in training (HeteroFL's and FedRolex's authors'; FjORD has none)
     variant: str = option("heterofl", choices=("heterofl", "fjord", "fedrolex"))  # fjord: each step a width <= the client's; fedrolex: rolling windows
     roll: str = option("paper", choices=("paper", "code"))  # fedrolex: round t's window units (t + i) mod K (the paper's Eq. 4) | (i - t) mod K (the authors' torch.roll)
+    norm: str = option("running", choices=("running", "static"))  # BatchNorm statistics: running (averaged like weights) | static (the authors' sBN: recomputed from the clients' training data before each evaluation)
 
     def check(self, cfg, section: str) -> None:
         from raysim.models import model_option_defaults
@@ -86,6 +91,9 @@ class HeteroFLOptions(Options):
             raise ConfigError(f"algorithm=heterofl: model={cfg.model!r} has no width option (a fraction of its hidden "
                               f"sizes); models with one: {', '.join(m for m in MODELS.names() if fractional(m))}")
         norm = (cfg.get("model_options") or {}).get("norm", model_option_defaults(cfg.model).get("norm"))
+        if self.norm == "static" and norm != "batch":
+            raise ConfigError(f"{section}.norm=static recomputes BatchNorm statistics, but model={cfg.model!r} has "
+                              f"model_options.norm={norm}; set model_options.norm=batch (the authors' sBN)")
         if norm == "group":  # gcd(32, channels) groups: a narrower layer is grouped differently
             raise ConfigError("algorithm=heterofl: model_options.norm=group normalises groups of channels whose "
                               "number changes with the width, so a sub-model would not be a slice of the whole "
@@ -201,6 +209,36 @@ class HeteroFL(FedAvg):
             sub.load_state_dict(self.cut(new, sub))
         return {"train_loss": loss_sum / n}
 
+    def run_round(self, rnd: int, server: Server) -> dict:
+        metrics = super().run_round(rnd, server)
+        cfg = self.cfg
+        if cfg.heterofl.norm == "static" and (rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds)):
+            self.static_statistics(rnd, server)
+        return metrics
+
+    def static_statistics(self, rnd: int, server: Server) -> None:
+        """The authors' sBN (train_classifier_fed.py `stats`): before an evaluation, each
+        evaluated model's BatchNorm statistics are the cumulative average over batches of the
+        training data, passed through it in training mode (their `momentum=None`): here every
+        client there passes its own training data through each width and returns the sums of
+        its batches' means and variances, which the server averages over all batches."""
+        rates = [1.0, *self.sub_models]
+        payload = {"weights": cpu_state(self.model), "rates": rates}
+        sums: dict = {}
+        for r in server.run_clients(rnd, server.available_clients(rnd), payload, method="bn_statistics"):
+            for key, value in r.update.items():
+                sums[key] = sums[key] + value if key in sums else value.clone()
+        for rate in rates:
+            model = self.model if rate == 1.0 else self.sub_models[rate]
+            state = model.state_dict()
+            for name, module in model.named_modules():
+                key = f"{rate:g}|{name}|"
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and key + "n" in sums:
+                    n = sums[key + "n"]
+                    state[f"{name}.running_mean"].copy_((sums[key + "mean"] / n).to(state[f"{name}.running_mean"]))
+                    state[f"{name}.running_var"].copy_((sums[key + "var"] / n).to(state[f"{name}.running_var"]))
+                    state[f"{name}.num_batches_tracked"].fill_(int(n))
+
     @staticmethod
     def window_offset(cfg, rnd: int) -> int:
         """FedRolex's offset in round `rnd`: the paper's window starts at unit rnd mod K and
@@ -244,6 +282,41 @@ class HeteroFL(FedAvg):
         if classes is not None:
             update["classes"] = classes
         return ClientResult(client.cid, client.num_samples, update, {**stats, "rate": rate})
+
+    def bn_statistics(self, client: Client, payload: dict) -> ClientResult:
+        """sBN's statistics pass (`static_statistics`) on this client: for each width, the
+        model cut from the served weights (no Scaler: as it is evaluated), its BatchNorm
+        statistics reset to a cumulative average, the client's training data passed through it
+        in training mode in batches of local.batch_size (a last batch of one left out); returns
+        {"<rate>|<layer>|mean" (| var | n): the sums over its batches} (float64)."""
+        out = {}
+        bs = int(client.cfg.local.batch_size)
+        for rate in payload["rates"]:
+            model = self._stats_model(client, rate)
+            model.load_state_dict(self.cut(payload["weights"], model))
+            norms = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+            for m in norms.values():
+                m.momentum = None
+                m.reset_running_stats()
+            model.train()
+            with torch.no_grad():
+                for start in range(0, client.num_samples, bs):
+                    if client.num_samples - start > 1:
+                        model(client.x[start:start + bs])
+            for name, m in norms.items():
+                n = float(m.num_batches_tracked)
+                out[f"{rate:g}|{name}|mean"] = m.running_mean.double().cpu() * n
+                out[f"{rate:g}|{name}|var"] = m.running_var.double().cpu() * n
+                out[f"{rate:g}|{name}|n"] = torch.tensor(n, dtype=torch.float64)
+        return ClientResult(client.cid, client.num_samples, out)
+
+    def _stats_model(self, client: Client, rate: float) -> torch.nn.Module:
+        """The actor's model at `rate` for statistics: no Scaler hooks, built once per rate."""
+        if not hasattr(self, "_stats_widths"):
+            self._stats_widths = {}
+        if rate not in self._stats_widths:
+            self._stats_widths[rate] = self.width_model(rate).to(client.device)
+        return self._stats_widths[rate]
 
     def local_loss_for(self, client: Client, classes):
         if classes is None:

@@ -233,3 +233,40 @@ def test_fedrolex_rolls_forward_as_the_paper_or_backward_as_the_authors_code():
 
     assert kept("paper") == [3, 4, 5, 6]
     assert kept("code") == sorted(int(u) for u in torch.roll(torch.arange(8), 3)[:4]) == [0, 5, 6, 7]
+
+
+def test_static_batchnorm_statistics_are_the_mean_over_every_clients_batches_as_the_authors_stats_pass():
+    """heterofl.norm=static (the authors' sBN, train_classifier_fed.py `stats`): before an
+    evaluation, each evaluated width's BatchNorm statistics are the cumulative average over
+    the batches of every client's training data passed through it in training mode: here,
+    by hand, the mean over all batches of each batch's mean (and unbiased variance) of the
+    BatchNorm layer's input, for the whole model and the half-width one."""
+    from raysim.testing import InProcessServer
+
+    cfg = load_config(overrides=["algorithm=heterofl", "model=mlp", "model_options.hidden=[16]",
+                                 "model_options.norm=batch", "heterofl.norm=static", "heterofl.rates=[1.0,0.5]",
+                                 "heterofl.proportions=[0.5,0.5]", "num_clients=4", "participation=0.5",
+                                 "local.batch_size=32", "eval_every=1", "rounds=1"])
+    server = InProcessServer.from_config(cfg)
+    server.setup()
+    server.round(1)
+    algo = server.algorithm
+    for rate, model in ((1.0, algo.model), (0.5, algo.sub_models[0.5])):
+        linear = model.encoder[1]
+        means, variances = [], []
+        for cid in range(4):  # every client, not only the round's
+            x = server.data[cid][0]
+            for start in range(0, len(x), 32):
+                z = linear(x[start:start + 32].flatten(1)).detach().double()
+                if len(z) > 1:
+                    means.append(z.mean(0))
+                    variances.append(z.var(0, unbiased=True))
+        bn = model.encoder[2]
+        assert torch.allclose(bn.running_mean.double(), torch.stack(means).mean(0), atol=1e-5), rate
+        assert torch.allclose(bn.running_var.double(), torch.stack(variances).mean(0), atol=1e-4), rate
+        assert int(bn.num_batches_tracked) == len(means)
+
+
+def test_static_batchnorm_without_batchnorm_is_one_line():
+    with pytest.raises(Exception, match="heterofl.norm=static recomputes BatchNorm statistics.*model_options.norm=batch"):
+        load_config(overrides=["algorithm=heterofl", "model=mlp", "heterofl.norm=static"])
