@@ -279,12 +279,12 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None)
     return points
 
 
-def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set) -> list[dict]:
+def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set, skip: list[dict] = ()) -> list[dict]:
     """The tuning points (raysim/tuning.py) of the (setting, algorithm) `cells`: each at
     tune.seed, judged on held-out training samples, in `<sweep>/tuning/`."""
     at_seed = {**grid, "seed": [v for v in grid["seed"] if (_label(v) or v) == tuning.seed]}
     out = []
-    for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=[]):
+    for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=skip):
         cell = (p["values"].get("setting", ""), p["values"]["algorithm"])
         if cell not in cells:
             continue
@@ -405,7 +405,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     with RunLock(sweep_dir):
         if tuning is not None:
             cells = {(p["values"].get("setting", ""), p["values"]["algorithm"]) for p in todo}
-            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say)
+            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip)
             points = plan(files, fixed, grid, sweep_dir, skip,
                           extra=lambda v: chosen.get((value_label("setting", v["setting"]) if "setting" in v else "",
                                                       value_label("algorithm", v["algorithm"])), []))
@@ -414,12 +414,12 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
         return _run(points, todo, files, fixed, sweep_dir, say)
 
 
-def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say) -> dict:
+def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = ()) -> dict:
     """The tuning stage: run the tuning points not done nor recorded, score every one, write
     <sweep>/tuning.csv; returns {cell: the chosen point's overrides}."""
     from raysim.tuning import choose, score, write_tuned
 
-    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells)
+    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells, skip)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
     todo = [p for p in tpoints if p["state"] != "done" and not recorded(p)]
     say(f"tuning: {len(tpoints)} points for {len(cells)} cell(s) on seed {tuning.seed}, {len(todo)} to run")

@@ -100,3 +100,19 @@ def test_a_bad_tune_section_is_refused_in_one_line(tmp_path, capfd, tune, says):
     err = capfd.readouterr().err
     assert says in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_tuning_leaves_out_the_points_the_sweep_file_skips(tmp_path):
+    """A combination that cannot run (the sweep file's `skip`, e.g. Fed2's VGG on vectors) is
+    never planned for tuning either (its config would be refused)."""
+    from raysim.sweep import parse, plan_tuning, read_skip, read_tune
+
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps({"grid": {"seed": [0], "setting": [{"label": "digits", "dataset": "digits"},
+                                                               {"label": "syn", "dataset": "synthetic"}],
+                                      "algorithm": ["fedavg", {"label": "fed2", "algorithm": "fed2", "model": "vgg9"}]},
+                             "skip": [{"setting": "syn", "algorithm": "fed2"}], "tune": {"grid": {"local.lr": [0.1]}}}))
+    _, files, fixed, grid = parse([], f)
+    cells = {(s, a) for s in ("digits", "syn") for a in ("fedavg", "fed2")}
+    points = plan_tuning(files, fixed, grid, tmp_path / "out", read_tune(f, grid), cells, read_skip(f, grid))
+    assert sorted(p["cell"] for p in points) == [("digits", "fed2"), ("digits", "fedavg"), ("syn", "fedavg")]
