@@ -70,10 +70,10 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
     assert by_point["lr=0.1"]["chosen"] == "1" and float(by_point["lr=0.1"]["score"]) > 0.5
     run_dir = out / "tuning" / "seed=0,algorithm=fedavg,lr=0.1"  # balanced: per-class accuracy over the classes held
     counts = json.loads((run_dir / "summary.json").read_text())["test_class_counts"]
-    rows = [r for r in pq.read_table(run_dir / "metrics.parquet").column("per_class_accuracy").to_pylist() if r]
+    per_class = [r for r in pq.read_table(run_dir / "metrics.parquet").column("per_class_accuracy").to_pylist() if r]
     held = [c for c, n in enumerate(counts) if n]
     assert 140 < sum(counts) <= 150 and score(run_dir, "balanced", 2) == pytest.approx(
-        np.mean([np.mean([r[c] for c in held]) for r in rows[-2:]]))
+        np.mean([np.mean([r[c] for c in held]) for r in per_class[-2:]]))
     from raysim.tuning import record  # the same rows from the run folders alone (a stage stopped part way)
 
     assert record(tmp_path / "s.yaml", out, tmp_path / "again.csv") == 2
