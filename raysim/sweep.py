@@ -471,6 +471,10 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     )
     results = tuner.fit()  # Tune catches Ctrl-C itself: it stops the trials and returns
     failed = [r for r in results if r.error is not None or (r.metrics or {}).get("raysim_error")]
+    diverged = [r for r in failed if _diverged(Path(r.config["point"]["run_dir"]))]
+    for r in diverged:  # a run that diverged ended: its summary is its result (a tuning point's: never chosen)
+        say(f"point {r.config['point']['name']} diverged: kept as its result")
+    failed = [r for r in failed if r not in diverged]
     for r in failed:
         why = (r.metrics or {}).get("raysim_error") or str(r.error).splitlines()[-1]
         say(f"point {r.config['point']['name']} failed: {why.splitlines()[0][:300]}")
@@ -481,6 +485,12 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
         raise SweepInterrupted(f"sweep interrupted: {done} of {len(points)} points done; rerun the same command "
                                "to finish (finished points are kept, unfinished ones resume from their checkpoint)")
     return sweep_dir
+
+
+def _diverged(run_dir: Path) -> bool:
+    """Whether the point's run ended by diverging (its summary says so)."""
+    summary = run_dir / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("status") == "diverged"
 
 
 class SweepInterrupted(Exception):

@@ -120,3 +120,17 @@ def test_tuning_leaves_out_the_points_the_sweep_file_skips(tmp_path):
     cells = {(s, a) for s in ("digits", "syn") for a in ("fedavg", "fed2")}
     points = plan_tuning(files, fixed, grid, tmp_path / "out", read_tune(f, grid), cells, read_skip(f, grid))
     assert sorted(p["cell"] for p in points) == [("digits", "fed2"), ("digits", "fedavg"), ("syn", "fedavg")]
+
+
+def test_a_tuning_point_that_diverges_is_a_result_never_chosen_and_the_sweep_goes_on(ray_local, tmp_path):
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s.yaml").write_text(json.dumps({
+        "name": "d", "fixed": {"rounds": 2, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
+                               "resources": {"num_actors": 1}},
+        "grid": {"seed": [0], "algorithm": ["fedavg"]},
+        "tune": {"grid": {"local.lr": [1e30, 0.1]}, "last": 1, "judge": "global"}}))
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    rows = {r["point"]: r for r in csv.DictReader((tmp_path / "out" / "d" / "tuning.csv").open())}
+    assert rows["lr=1e+30"]["score"] == "" and rows["lr=0.1"]["chosen"] == "1"
+    assert (tmp_path / "out" / "d" / "seed=0,algorithm=fedavg" / "summary.json").is_file()
