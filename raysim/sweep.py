@@ -417,7 +417,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
 def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = ()) -> dict:
     """The tuning stage: run the tuning points not done nor recorded, score every one, write
     <sweep>/tuning.csv; returns {cell: the chosen point's overrides}."""
-    from raysim.tuning import choose, score, write_tuned
+    from raysim.tuning import choose, merge_tuned, score
 
     tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells, skip)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
@@ -440,7 +440,7 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
                  for p, s in scores.items()]
         say(f"tuning {'/'.join(c for c in cell if c)}: {best} "
             f"({', '.join(f'{p} {s:.4f}' if s is not None else f'{p} -' for p, s in scores.items())})")
-    write_tuned(sweep_dir / "tuning.csv", rows)
+    merge_tuned(sweep_dir / "tuning.csv", rows)
     return chosen
 
 

@@ -162,6 +162,17 @@ def write_tuned(path: Path, rows: list[dict]) -> None:
             w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})
 
 
+def merge_tuned(path: Path, rows: list[dict]) -> None:
+    """Write `rows` into the tuning.csv at `path`: they replace the rows of their cells, the
+    other cells' rows stay (an earlier invocation's, or another machine's)."""
+    cells = {(str(r["setting"]), str(r["algorithm"])) for r in rows}
+    kept = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            kept = [r for r in csv.DictReader(f) if (r["setting"], r["algorithm"]) not in cells]
+    write_tuned(path, sorted(kept + rows, key=lambda r: (str(r["setting"]), str(r["algorithm"]), str(r["point"]))))
+
+
 def record(sweep_file: Path, sweep_dir: Path, out: Path) -> int:
     """The tuning runs finished so far in `<sweep_dir>/tuning/` as a tuning.csv at `out` (a cell
     whose every point has finished gets its choice; the others' rows are scores only), so that

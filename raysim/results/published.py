@@ -91,21 +91,10 @@ def _merge_tuning(here: Path, recorded: Path) -> None:
     another machine."""
     if not here.is_file():
         return
-    from raysim.tuning import CSV_FIELDS
+    from raysim.tuning import merge_tuned
 
     with here.open(newline="") as f:
-        new = list(csv.DictReader(f))
-    cells = {(r["setting"], r["algorithm"]) for r in new}
-    old = []
-    if recorded.is_file():
-        with recorded.open(newline="") as f:
-            old = [r for r in csv.DictReader(f) if (r["setting"], r["algorithm"]) not in cells]
-    rows = sorted(old + new, key=lambda r: (r["setting"], r["algorithm"], r["point"]))
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, CSV_FIELDS, lineterminator="\n", extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    recorded.write_text(buf.getvalue())
+        merge_tuned(recorded, list(csv.DictReader(f)))
 
 
 def _method(value) -> str:
