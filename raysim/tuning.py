@@ -10,7 +10,7 @@ A sweep file's `tune:` section:
       judge: own                # own: the clients' own accuracy (personal, else local, else global) | global
                                 # | balanced: the global model's mean accuracy over the classes (a long-tailed
                                 #   validation set judged as a balanced test set is)
-      judge_by_setting: {mnist_lt: global}
+      judge_by_setting: {mnist_lt: balanced}
       grid: {local.lr: [0.01, 0.03, 0.1]}                  # every algorithm
       by_algorithm:                                        # label (or name) -> its key hyper-parameter(s)
         fedprox: {fedprox.mu: [0.001, 0.01, 0.1]}          # source in a comment beside it
