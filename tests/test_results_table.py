@@ -324,7 +324,7 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
 
 
-def test_the_tuned_column_comes_from_the_sweeps_tuning_csv_which_is_kept_beside_runs_csv(tmp_path):
+def test_the_tuned_column_and_the_sweeps_tuning_csv_kept_beside_runs_csv(tmp_path):
     from raysim.results.published import RECORD, write_doc
 
     f = tmp_path / "table.yaml"
@@ -333,8 +333,8 @@ def test_the_tuned_column_comes_from_the_sweeps_tuning_csv_which_is_kept_beside_
     with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
         w = csv.DictWriter(out, RECORD)
         w.writeheader()
-        w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished",
-                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000"})
+        w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "tuned": "lr=0.1",
+                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000"})  # a recorded run keeps its own
     sweep_dir = tmp_path / "runs" / "t"
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "tuning.csv").write_text("setting,algorithm,point,score,chosen\n"

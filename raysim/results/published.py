@@ -53,8 +53,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | Non
     sweep_dir = (runs_dir or Path("runs/sweeps")) / name
     label = lambda v: _label(v) or v  # noqa: E731
     rows = read_records(recorded) if recorded is not None else {}
-    tuned = {**(_chosen(recorded.parent / "tuning.csv") if recorded is not None else {}),
-             **_chosen(sweep_dir / "tuning.csv")}  # this machine's tuning over the recorded one
+    tuned = _chosen(sweep_dir / "tuning.csv")  # a run here was made with its cell's choice
     points, not_run = [], []
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
@@ -67,9 +66,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | Non
             record = _record(point, json.loads((d / "summary.json").read_text()), d)
             record["tuned"] = tuned.get((str(point.get("setting", "")), str(point["algorithm"])))
         else:
-            d, record = None, rows.get(tuple(str(point[k]) for k in AXES))
-            if record is not None and not record.get("tuned"):
-                record["tuned"] = tuned.get((str(point.get("setting", "")), str(point["algorithm"])))
+            d, record = None, rows.get(tuple(str(point[k]) for k in AXES))  # its own `tuned`, as recorded
         points.append({**point, "dir": d, "record": record, "method": _method(values["algorithm"])})
     given = {k: json.loads(v) if v[:1] in '"[{' else v for k, v in (o.split("=", 1) for o in fixed) if k in PATHS}
     return {"name": name, "sweep_dir": sweep_dir, "given": given, "settings": [label(v) for v in grid["setting"]],
