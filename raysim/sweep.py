@@ -516,6 +516,9 @@ def main(argv=None) -> int:
                    help="a tuning.csv of tuning runs made elsewhere: its rows count as finished tuning points")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="the folder the sweep's folder goes in (default runs/sweeps; output_dir=DIR says the same)")
+    p.add_argument("--record-tuning", type=Path, metavar="CSV",
+                   help="run nothing: write the tuning runs finished so far as a tuning.csv at CSV (for --tuned "
+                        "on another machine)")
     args = p.parse_args(argv)
     try:
         name, files, fixed, grid = parse(args.overrides, args.file)
@@ -537,6 +540,14 @@ def main(argv=None) -> int:
             print(f"{args.skip_listed}: {len(listed)} row(s), {hit} of the grid's points listed: left out")
             skip += listed
         tuning = read_tune(args.file, grid)
+        if args.record_tuning is not None:
+            if tuning is None:
+                raise ConfigError("--record-tuning needs a sweep file with a tune section (--file)")
+            from raysim.tuning import record
+
+            n = record(tuning, args.output_dir / name, args.record_tuning)
+            print(f"{args.record_tuning}: {n} tuning runs recorded")
+            return 0
         tuned = None
         if args.tuned is not None:
             from raysim.tuning import read_tuned

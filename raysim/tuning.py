@@ -173,16 +173,11 @@ def merge_tuned(path: Path, rows: list[dict]) -> None:
     write_tuned(path, sorted(kept + rows, key=lambda r: (str(r["setting"]), str(r["algorithm"]), str(r["point"]))))
 
 
-def record(sweep_file: Path, sweep_dir: Path, out: Path) -> int:
+def record(tuning: Tuning, sweep_dir: Path, out: Path) -> int:
     """The tuning runs finished so far in `<sweep_dir>/tuning/` as a tuning.csv at `out` (a cell
     whose every point has finished gets its choice; the others' rows are scores only), so that
-    a tuning stage stopped part way counts on another machine (`sweep --tuned out`). Returns the
-    number of rows."""
-    from raysim.sweep import parse, read_tune
-
-    tuning = read_tune(sweep_file, parse([], sweep_file)[3])
-    if tuning is None:
-        raise ConfigError(f"{sweep_file}: no tune section")
+    a tuning stage stopped part way counts on another machine (`sweep --tuned out`). `tuning`:
+    the sweep file's tune section. Returns the number of rows."""
     cells: dict = {}
     for run_dir in sorted((sweep_dir / "tuning").iterdir()) if (sweep_dir / "tuning").is_dir() else []:
         if not (run_dir / "summary.json").is_file():
@@ -203,20 +198,3 @@ def record(sweep_file: Path, sweep_dir: Path, out: Path) -> int:
                  for p, s in scores.items()]
     write_tuned(out, rows)
     return len(rows)
-
-
-if __name__ == "__main__":  # python -m raysim.tuning --file SWEEP --sweep-dir DIR --out CSV
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(prog="python -m raysim.tuning", description=record.__doc__.splitlines()[0])
-    ap.add_argument("--file", type=Path, required=True, help="the sweep file (its tune section)")
-    ap.add_argument("--sweep-dir", type=Path, required=True, help="the sweep's folder (runs/sweeps/<name>)")
-    ap.add_argument("--out", type=Path, required=True, help="the tuning.csv to write")
-    a = ap.parse_args()
-    try:
-        n = record(a.file, a.sweep_dir, a.out)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"{a.out}: {n} tuning runs recorded")

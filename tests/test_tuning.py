@@ -74,9 +74,9 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
     held = [c for c, n in enumerate(counts) if n]
     assert 140 < sum(counts) <= 150 and score(run_dir, "balanced", 2) == pytest.approx(
         np.mean([np.mean([r[c] for c in held]) for r in per_class[-2:]]))
-    from raysim.tuning import record  # the same rows from the run folders alone (a stage stopped part way)
-
-    assert record(tmp_path / "s.yaml", out, tmp_path / "again.csv") == 2
+    # the same rows from the run folders alone (a stage stopped part way)
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out"),
+                  "--record-tuning", str(tmp_path / "again.csv")]) == 0
     assert list(csv.DictReader((tmp_path / "again.csv").open())) == sorted(rows, key=lambda r: r["point"])
     final = (out / "seed=0,algorithm=fedavg" / "config.yaml").read_text()
     assert "lr: 0.1" in final and "validation: 0.0" in final  # the chosen lr, judged on the test set again
