@@ -12,6 +12,7 @@ file says the same in YAML:
     fixed: {rounds: 20}
     grid: {seed: [0, 1, 2], algorithm: [fedavg, fedprox]}
     skip: [{seed: 2, algorithm: fedprox}]   # grid points not to run (a combination that cannot)
+    only: [{seed: 1, algorithm: [fedavg]}]  # where seed is 1, only these algorithms run (the rest skipped)
 
 A grid value that is a mapping is a set of overrides taken together, for axes whose values
 are not one key (`variant: [{algorithm: fed2}, {algorithm: fedavg, model_options.norm: group}]`).
@@ -74,10 +75,10 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if spec is not None and not isinstance(spec, dict):
             raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
                               f"{type(spec).__name__}")
-        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "tune"}
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "only", "tune"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
-                              f"fixed, grid, skip, tune")
+                              f"fixed, grid, skip, only, tune")
         spec = spec or {}
         name = spec.get("name")
         files = spec.get("config") or []
@@ -179,14 +180,41 @@ def read_skip(file: Path | None, grid: dict) -> list[dict]:
     skip, axes = spec.get("skip") or [], spec.get("grid") or {}
     if not isinstance(skip, list) or not all(isinstance(x, dict) and x for x in skip):
         raise ConfigError(f"sweep file {file}: skip must be a list of mappings {{axis: value}}, got {skip!r:.80}")
+    names = {k: [str(x.get("label")) if isinstance(x, dict) else str(x) for x in v] for k, v in axes.items()}
+
+    def check(section: str, k: str, values: list):
+        if k not in axes:
+            raise ConfigError(f"sweep file {file}: {section} names {k!r}, not a grid axis ({', '.join(axes)})")
+        for v in values:
+            if str(v) not in names[k]:
+                raise ConfigError(f"sweep file {file}: {section}'s {k}={v} is none of grid.{k}'s values or labels")
+
     for entry in skip:
         for k, v in entry.items():
-            if k not in axes:
-                raise ConfigError(f"sweep file {file}: skip names {k!r}, not a grid axis ({', '.join(axes)})")
-            known = {str(x.get("label")) if isinstance(x, dict) else str(x) for x in axes[k]}
-            if str(v) not in known:
-                raise ConfigError(f"sweep file {file}: skip's {k}={v} is none of grid.{k}'s values or labels")
-    return skip
+            check("skip", k, [v])
+    return skip + _only_as_skip(spec.get("only"), names, check, file)
+
+
+def _only_as_skip(only, names: dict, check, file) -> list[dict]:
+    """The sweep file's `only`: entries {axis: value, ..., one axis: [values]}, "where the
+    scalar axes take these values, run only the listed values of the list axis" (a setting
+    run for a few algorithms), as the skip entries of every value left out."""
+    if only is None:
+        return []
+    lists = [k for e in only for k, v in e.items() if isinstance(v, list)] if isinstance(only, list) and all(
+        isinstance(e, dict) for e in only) else None
+    if lists is None or len(lists) != len(only):
+        raise ConfigError(f"sweep file {file}: only must be a list of mappings {{axis: value, ..., axis: [values]}} "
+                          f"with one list each, got {only!r:.80}")
+    out = []
+    for entry, axis in zip(only, lists):
+        where = {k: v for k, v in entry.items() if k != axis}
+        for k, v in where.items():
+            check("only", k, [v])
+        check("only", axis, entry[axis])
+        kept = {str(v) for v in entry[axis]}
+        out += [{**where, axis: v} for v in names[axis] if v not in kept]
+    return out
 
 
 def read_tune(file: Path | None, grid: dict):

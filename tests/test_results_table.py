@@ -67,7 +67,7 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
     assert f"Every run from raysim {fedavg['raysim_commit']} (3 runs)" in text
     fedper_row = next(line for line in text.splitlines() if line.startswith("| [fedper](results/digits/"))
     assert "†" in fedper_row and fedper_row.split("|")[5].strip() != "-"  # its own models' accuracy
-    assert "| fedper | not run |" in text and "fedper on syn" in text
+    assert "| fedper | not run |" in text and "on syn: fedper." in text
     hashes = list(csv.DictReader((tmp_path / "docs" / "results" / "runs.csv").open()))
     assert len(hashes) == 3 and all(len(h["model_sha256"]) == 64 for h in hashes)
     assert all(h["client_processors"] and "torch" in h["client_processors"] for h in hashes)
@@ -314,11 +314,23 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     assert "[n/c](#claim-fedavg)" in next(line for line in text.splitlines() if line.startswith("| fedavg |"))
     assert "in 1 cells the table reproduces its paper's direction, in **0 it does not**, 1 are not comparable" in text
     assert '<a id="claim-fedper"></a>**fedper** (against fedavg, own): FedPer above FedAvg per client (Table 1)' in text
+    assert "**fedavg** (against fedper, global; read on syn): a claim about syn" in text
     claims.write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n"
                       "fedavg: {baseline: fedper, judge: own, claim: 'per client'}\n")
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     assert "[no](#claim-fedavg)" in next(line for line in (tmp_path / "results.md").read_text().splitlines()
                                           if line.startswith("| fedavg |"))  # 55.0 per client against FedPer's 85.0
+    claims.write_text("fedavg: {baseline: fedper, judge: own, direction: below, claim: 'trails FedPer'}\n"
+                      "fedper: {baseline: fedavg, judge: own, settings: [], claim: 'about feature shift'}\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")  # a claim that the method trails; one of no setting here
+    text = (tmp_path / "results.md").read_text()
+    assert "[yes](#claim-fedavg)" in next(line for line in text.splitlines() if line.startswith("| fedavg |"))
+    assert "[n/c](#claim-fedper)" in next(line for line in text.splitlines() if line.startswith("| fedper |"))
+    assert "**fedavg** (below fedper, own): trails FedPer" in text
+    assert "**fedper** (against fedavg, own; no setting of this table is its kind): about feature shift" in text
+    claims.write_text("fedper: {baseline: fedavg, judge: own, direction: up, claim: x}\n")
+    with pytest.raises(ConfigError, match="claims.yaml: fedper: direction must be above or below, not 'up'"):
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     claims.write_text("fedpr: {baseline: fedavg, judge: own, claim: x}\n")
     with pytest.raises(ConfigError, match="claims.yaml: fedpr: not an algorithm of the table"):
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")

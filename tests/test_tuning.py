@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from raysim.errors import ConfigError
 from raysim.tuning import choose, score
 
 
@@ -120,6 +121,27 @@ def test_tuning_leaves_out_the_points_the_sweep_file_skips(tmp_path):
     cells = {(s, a) for s in ("digits", "syn") for a in ("fedavg", "fed2")}
     points = plan_tuning(files, fixed, grid, tmp_path / "out", read_tune(f, grid), cells, read_skip(f, grid))
     assert sorted(p["cell"] for p in points) == [("digits", "fed2"), ("digits", "fedavg"), ("syn", "fedavg")]
+
+
+def test_only_runs_a_setting_for_the_listed_algorithms_and_refuses_a_name_not_in_the_grid(tmp_path):
+    """`only: [{setting: lt, algorithm: [fedavg, creff]}]`: the long-tailed setting runs those
+    two (a setting cut to the methods its claim is about); the others run everything."""
+    from raysim.sweep import parse, plan, read_skip
+
+    f = tmp_path / "s.yaml"
+    spec = {"grid": {"seed": [0], "setting": [{"label": "digits", "dataset": "digits"},
+                                              {"label": "lt", "dataset": "digits", "long_tail": {"imbalance": 10}}],
+                     "algorithm": ["fedavg", "fedprox", "creff"]},
+            "only": [{"setting": "lt", "algorithm": ["fedavg", "creff"]}]}
+    f.write_text(json.dumps(spec))
+    _, files, fixed, grid = parse([], f)
+    points = plan(files, fixed, grid, tmp_path / "out", skip=read_skip(f, grid))
+    assert sorted(Path(p["run_dir"]).name for p in points) == sorted(
+        [f"seed=0,setting=digits,algorithm={a}" for a in ("fedavg", "fedprox", "creff")]
+        + ["seed=0,setting=lt,algorithm=fedavg", "seed=0,setting=lt,algorithm=creff"])
+    f.write_text(json.dumps({**spec, "only": [{"setting": "lt", "algorithm": ["fedavg", "scafold"]}]}))
+    with pytest.raises(ConfigError, match="only's algorithm=scafold is none of grid.algorithm's values"):
+        read_skip(f, grid)
 
 
 def test_a_tuning_point_that_diverges_is_a_result_never_chosen_and_the_sweep_goes_on(ray_local, tmp_path):

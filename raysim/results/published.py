@@ -295,16 +295,20 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             records += [p["record"] for p in ran]
         lines.append("")
     if plan["skipped"]:
-        lines += ["Not run (the sweep file's `skip`: combinations that cannot run): " + ", ".join(
-            sorted({f"{p['algorithm']} on {p['setting']}" for p in plan["skipped"]})) + ".", ""]
+        left = {}
+        for p in plan["skipped"]:
+            left.setdefault(p["setting"], set()).add(p["algorithm"])
+        lines += ["Not run (the sweep file's `skip` and `only`: combinations that cannot run, or left out for cost "
+                  "as its header says): " + "; ".join(f"on {s}: {', '.join(sorted(a))}" for s, a in left.items()) + ".",
+                  ""]
     if claims:
         lines += ["## The papers' claims", "", "Each method's paper's headline comparison, and the column of this "
                   "table it is read against (*global* or *per client*): a cell says **yes** where the method's mean "
                   "there is above its baseline's in the same setting, **no** where it is not (or every run diverged), "
                   "*n/c* where the claim is about another kind of setting. Every \"no\" carries a note with its "
                   "measured cause or fix.", ""]
-        lines += [f'<a id="claim-{a}"></a>**{a}** (against {c["baseline"]}, {c["judge"]}): {c["claim"]}\n'
-                  for a, c in claims.items()]
+        lines += [f'<a id="claim-{a}"></a>**{a}** ({"below" if c["direction"] == "below" else "against"} '
+                  f'{c["baseline"]}, {c["judge"]}{_where(c["settings"])}): {c["claim"]}\n' for a, c in claims.items()]
     if numbered:
         lines += ["## Notes", "", "Why a cell trails FedAvg's in its setting, or what it must be compared with, as "
                   "measured (\"sweep ... X=Y\": the cell's point with one key changed, `python -m raysim.sweep "
@@ -324,7 +328,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
 
 def read_claims(path: Path, settings: list, algorithms: list) -> dict:
     """claims.yaml: {algorithm: {baseline, judge (global | own), claim (text: the paper's
-    comparison, its numbers, table and page), settings (where comparable; default all)}}."""
+    comparison, its numbers, table and page), settings (where comparable; default all; []:
+    none of the table's, the claim is about another kind of setting), direction (above, the
+    default: the paper has the method above its baseline | below)}}."""
     if not path.is_file():
         return {}
     from omegaconf import OmegaConf
@@ -342,8 +348,11 @@ def read_claims(path: Path, settings: list, algorithms: list) -> dict:
         bad = [x for x in c.get("settings") or [] if x not in settings]
         if bad:
             raise ConfigError(f"{where}: settings names {bad[0]!r}, not one of {', '.join(settings)}")
+        if c.get("direction", "above") not in ("above", "below"):
+            raise ConfigError(f"{where}: direction must be above or below, not {c['direction']!r}")
         out[a] = {"baseline": c["baseline"], "judge": c["judge"], "claim": str(c["claim"]).strip(),
-                  "settings": list(c.get("settings") or [])}
+                  "settings": None if c.get("settings") is None else list(c["settings"]),
+                  "direction": c.get("direction", "above")}
     return out
 
 
@@ -365,7 +374,7 @@ def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> s
     """yes / no / n/c for a cell against its paper's claim; '-' without a claim or runs."""
     if claim is None:
         return "-"
-    if claim["settings"] and setting not in claim["settings"]:
+    if claim["settings"] is not None and setting not in claim["settings"]:
         return "n/c"
     mine, base = means.get((setting, algorithm)), means.get((setting, claim["baseline"]))
     if mine is None or base is None:
@@ -373,7 +382,15 @@ def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> s
     i = 0 if claim["judge"] == "global" else 1
     if base[i] is None:
         return "-"
-    return "yes" if mine[i] is not None and mine[i] > base[i] else "no"
+    if mine[i] is None:
+        return "no"
+    return "yes" if (mine[i] > base[i] if claim["direction"] == "above" else mine[i] < base[i]) else "no"
+
+
+def _where(settings: list | None) -> str:
+    if settings is None:
+        return ""
+    return f"; read on {', '.join(settings)}" if settings else "; no setting of this table is its kind"
 
 
 def _verdict_link(verdict: str, algorithm: str) -> str:
