@@ -373,7 +373,9 @@ def run_point(point: dict, files: list, cwd: str) -> dict:
     overrides = point["overrides"]
     if run_dir.exists():
         if (run_dir / "checkpoint.pt").is_file():
-            overrides, files = [f"resume={run_dir}"], []
+            # where it runs may change (config/record.py's RESUMABLE_KEYS): the sweep's server threads
+            overrides = [f"resume={run_dir}", *(o for o in overrides if o.startswith("resources.server_threads="))]
+            files = []
         else:
             shutil.rmtree(run_dir)  # nothing to resume: start the point again
     layers, cfg = check(files, overrides)
@@ -411,6 +413,17 @@ def concurrency(points: list[dict]) -> int:
         return 1
     need = [p["actors"] * (p["cpus"] or 1) for p in points]
     return max(1, int(ray.cluster_resources().get("CPU", 1) // max(need)))
+
+
+def server_threads(points: list[dict], at_once: int) -> int:
+    """A point's server's torch threads: the CPUs each of the `at_once` points gets, less its
+    client actors' (at least 1). Left at every CPU, servers running at once on busy cores spin
+    in torch's thread pool (measured on CReFF's server steps: 45x slower on 2 cores)."""
+    import ray
+
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    actors = max((p["actors"] or 0) * (p["cpus"] or 1) for p in points)
+    return max(1, cpus // max(1, at_once) - int(actors))
 
 
 def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = (),
@@ -488,6 +501,10 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
     pool.release()  # an earlier run's kept processes (a notebook's) hold CPUs the points' actors need
     at_once = concurrency(todo)
     say(f"running {len(todo)} point(s) on Ray Tune, {at_once} at a time")
+    threads = server_threads(todo, at_once)
+    for p in todo:  # unless the point says otherwise: the server's torch threads, its share of the CPUs
+        if not any(o.split("=", 1)[0] == "resources.server_threads" for o in p["overrides"]):
+            p["overrides"] = [*p["overrides"], f"resources.server_threads={threads}"]
     tuner = tune.Tuner(
         tune.with_resources(_trial, {"cpu": 0, "memory": 1}),  # the point's actors reserve the CPUs
         param_space={"point": tune.grid_search(todo), "files": files, "cwd": os.getcwd()},

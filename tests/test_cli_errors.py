@@ -10,6 +10,7 @@ CASES = [
     (["dataset=nope"], "dataset='nope' is not a known dataset; choose one of: "),  # (a test's plugin may add one)
     (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: apfl, ccvr, creff, ditto, fed2, fedala, fedasync, fedavg"),
     (["model=transformer"], "model='transformer' is not a known model"),
+    (["resources.server_threads=-1"], "resources.server_threads must be >= 0 (0: every CPU), got -1"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
     (["local.vectorize=true", "algorithm=moon"], "local.vectorize: algorithm 'moon' trains its clients one at a time; "

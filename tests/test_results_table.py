@@ -251,13 +251,16 @@ def test_a_sweep_after_a_run_in_the_same_ray_session_gets_the_cpus(ray_local, tm
 def test_points_two_at_a_time_run_in_finished_points_processes_and_give_fresh_runs_models(ray_local, tmp_path):
     """Four points of 1 actor of 2 CPUs on the session's 4: two at a time, the later two in
     the processes the first two kept (Tune's `reuse_actors`, runtime/pool.py); a reused
-    point's model is the one a fresh run makes."""
+    point's model is the one a fresh run makes (whose server has every CPU's torch threads:
+    the same bits)."""
     from raysim.sweep import main as sweep_here
 
     common = ["dataset=digits", "model=mlp", "num_clients=6", "rounds=2", "resources.num_actors=1",
               "resources.num_cpus_per_actor=2"]
     assert sweep_here([*common, "seed=0,1,2,3", "--output-dir", str(tmp_path), "--name", "two"]) == 0
     logs = [(tmp_path / "two" / f"seed={s}" / "log.txt").read_text() for s in range(4)]
+    # each point's server: the 2 CPUs a point gets less its actor's 2, at least 1 torch thread
+    assert all("server_threads: 1" in (tmp_path / "two" / f"seed={s}" / "config.yaml").read_text() for s in range(4))
     reused = [s for s in range(4) if "reused from an earlier run" in logs[s]]
     assert reused, "no point ran in processes a finished point kept"
     seed = reused[-1]

@@ -110,6 +110,9 @@ class ResourcesConfig:
     # measured GPU memory (runtime/gpu_packing.py)
     gpu_memory_headroom: float = 0.1  # num_gpus_per_actor=auto: the fraction of each GPU's memory kept free
     torch_threads: int = 1  # torch intra-op threads in each client actor
+    server_threads: int = 0  # torch intra-op threads of the server's own work (evaluation, CReFF's and CCVR's
+    # re-training); 0: every CPU of its machine. A sweep sets it to the CPUs a point may use beside its actors (at least
+    # 1): two servers of 2 threads on 2 busy cores spin, 45x slower on CReFF's 9,600 small steps a round (measured)
     tasks_per_actor: Optional[int] = None  # an actor's clients of a round in up to this many tasks, so the server folds
     # the first tasks' models while it trains the rest; None: 4 where actors hold a GPU and models are >= 1 MB, else 1
     placement_timeout: float = 600.0  # seconds to wait for the client actors to be placed (a cluster

@@ -65,6 +65,7 @@ class FederatedServer:
         run_dir, actors = started or (None, None)
         try:
             self.cfg = resolve(layers, cwd)
+            torch.set_num_threads(int(self.cfg.resources.server_threads) or max(1, os.cpu_count() or 1))
             determinism.apply(self.cfg.determinism)  # the server's own torch work (evaluation, server-side training)
             self.ckpt = None
             if self.cfg.resume:
