@@ -285,9 +285,14 @@ def test_a_table_of_runs_from_two_commits_is_refused_unless_allowed_and_then_say
         w = csv.DictWriter(out, RECORD)
         w.writeheader()
         w.writerows(rows)
+    (tmp_path / "runs" / "t").mkdir(parents=True)  # the sweep's tuning choices, copied beside runs.csv
+    (tmp_path / "runs" / "t" / "tuning.csv").write_text(
+        "setting,algorithm,point,score,chosen\ndigits,fedavg,lr=0.1,0.5,1\n")
     with pytest.raises(ConfigError, match="the runs come from 2 versions of raysim: aaa .1 runs.; bbb .1 runs."):
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert not (tmp_path / "results" / "tuning.csv").exists() and not (tmp_path / "results.md").exists()  # nothing
     write_doc(f, tmp_path / "results.md", tmp_path / "runs", allow_mixed=True)
+    assert (tmp_path / "results" / "tuning.csv").is_file()
     assert "**Runs of 2 versions of raysim** (--allow-mixed): aaa (1 runs); bbb (1 runs)." in \
         (tmp_path / "results.md").read_text()
 
