@@ -211,8 +211,7 @@ class HeteroFL(FedAvg):
 
     def run_round(self, rnd: int, server: Server) -> dict:
         metrics = super().run_round(rnd, server)
-        cfg = self.cfg
-        if cfg.heterofl.norm == "static" and (rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds)):
+        if self.cfg.heterofl.norm == "static" and server.evaluates(rnd):
             self.static_statistics(rnd, server)
         return metrics
 

@@ -112,6 +112,8 @@ class Server(Protocol):
 
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator: ...
 
+    def evaluates(self, rnd: int) -> bool: ...  # whether round rnd ends with an evaluation (eval_every, the last)
+
     # asynchronous algorithms (runtime/asynchronous.py; needs system.profile)
     # the next n updates in simulated time (cid, result, version, payload), `concurrency` clients
     # kept training from payload() = (payload, version), which must not change before the n-th
@@ -120,6 +122,12 @@ class Server(Protocol):
     # end the run in round rnd, which cannot go on: the rounds before are kept, the summary's status
     # says `status`; raises `error` (errors.RunDiverged or a subclass) with `why`
     def stop_early(self, rnd: int, status: str, error: type, why: str) -> None: ...
+
+
+def ends_with_evaluation(cfg: DictConfig, rnd: int) -> bool:
+    """The servers' rule: round `rnd` ends with an evaluation every `eval_every` rounds and
+    in the last round (`Server.evaluates`)."""
+    return rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds)
 
 
 class Algorithm:

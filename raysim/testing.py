@@ -88,6 +88,11 @@ class InProcessServer:
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
 
+    def evaluates(self, rnd: int) -> bool:
+        from raysim.contract import ends_with_evaluation
+
+        return ends_with_evaluation(self.cfg, rnd)
+
     def available_clients(self, rnd: int) -> list[int]:
         return self.availability.available(rnd)
 

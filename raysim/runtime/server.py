@@ -263,6 +263,12 @@ class FederatedServer:
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
 
+    def evaluates(self, rnd: int) -> bool:
+        """Whether round `rnd` ends with an evaluation: every `eval_every` rounds, and the last."""
+        from raysim.contract import ends_with_evaluation
+
+        return ends_with_evaluation(self.cfg, rnd)
+
     def available_clients(self, rnd: int) -> list[int]:
         return self.availability.available(rnd)
 
@@ -356,7 +362,7 @@ class FederatedServer:
             row.update(sim_start=sim_start, sim_end=self.clock.now)
         evaluated: dict[int, float] = {}  # per-client accuracy on local test data
         personal_accuracy: dict[int, float] = {}  # ... of the client's own model (runtime/personal_eval.py)
-        if rnd % int(self.cfg.eval_every) == 0 or rnd == int(self.cfg.rounds):
+        if self.evaluates(rnd):
             for i, (name, ev) in enumerate(zip(models, self.test_set.evaluate(list(models.values())))):
                 prefix = "" if i == 0 else f"{name}_"
                 row.update({f"{prefix}{k}": v for k, v in ev.items()})
