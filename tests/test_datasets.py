@@ -193,6 +193,12 @@ def test_synthetic_sizes_drawn_in_a_range():
     assert abs(len(data.x_train) + len(data.x_test) - int(sizes.sum())) == 0
     with pytest.raises(ConfigError, match="max_samples_per_client=10 must be above"):
         load_config(overrides=[*base, "synthetic.max_samples_per_client=10"])
+    # alone, a cap on FedProx's log-normal sizes (it used to be ignored: users of 2,619 samples)
+    fedprox = ["dataset=synthetic", "partition=natural", "model=mclr", "num_clients=300"]
+    uncapped = Synthetic.sizes(load_config(overrides=fedprox), np.random.default_rng([0, 7]))
+    capped = Synthetic.sizes(load_config(overrides=[*fedprox, "synthetic.max_samples_per_client=100"]),
+                             np.random.default_rng([0, 7]))
+    assert uncapped.max() > 1000 and (capped == np.minimum(uncapped, 100)).all()
 
 
 def test_digits_split_is_kept_between_commands_and_equals_scikit_learns(tmp_path, monkeypatch):

@@ -434,7 +434,8 @@ class SyntheticOptions(Options):
     dim: int = option(60, at_least=1)
     num_classes: int = option(10, at_least=2)
     samples_per_client: int = option(0, at_least=0)  # 0: FedProx's log-normal sizes; > 0: this many per client
-    max_samples_per_client: int = option(0, at_least=0)  # > samples_per_client: sizes uniform in [samples_per_client, this]
+    max_samples_per_client: int = option(0, at_least=0)  # > samples_per_client: sizes uniform in [samples_per_client, this];
+    # with samples_per_client 0: a cap on FedProx's log-normal sizes
     test_fraction: float = option(0.2, above=0, below=1)  # each user's share held out for the global test set
 
     def check(self, cfg, section: str) -> None:
@@ -462,15 +463,17 @@ class Synthetic:
 
     @staticmethod
     def sizes(cfg: DictConfig, rng: np.random.Generator) -> np.ndarray:
-        """Samples per user: `samples_per_client`, or FedProx's log-normal sizes (the first
-        draw of the dataset's generator, so the memory check sees the sizes `load` makes)."""
+        """Samples per user: `samples_per_client` (uniform up to `max_samples_per_client` when
+        that is set), or FedProx's log-normal sizes, capped at `max_samples_per_client` when
+        that is set (the first draw of the dataset's generator, so the memory check sees the
+        sizes `load` makes)."""
         s = cfg.synthetic
         if s.samples_per_client > 0 and s.max_samples_per_client:
             return rng.integers(int(s.samples_per_client), int(s.max_samples_per_client) + 1, int(cfg.num_clients))
         if s.samples_per_client > 0:
             return np.full(int(cfg.num_clients), int(s.samples_per_client))
         sizes = rng.lognormal(4, 2, int(cfg.num_clients)).astype(int) + 50
-        return np.minimum(sizes, 20000)  # keep the heavy tail from exhausting memory
+        return np.minimum(sizes, int(s.max_samples_per_client) or 20000)  # 20,000: keep the heavy tail from exhausting memory
 
     @staticmethod
     def check_memory(cfg: DictConfig) -> None:
