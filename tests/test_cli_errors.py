@@ -11,6 +11,7 @@ CASES = [
     (["algorithm=fedfoo"], "algorithm='fedfoo' is not a known algorithm; choose one of: apfl, ccvr, creff, ditto, fed2, fedala, fedasync, fedavg"),
     (["model=transformer"], "model='transformer' is not a known model"),
     (["resources.server_threads=-1"], "resources.server_threads must be >= 0 (0: every CPU), got -1"),
+    (["eval.local_clients=-2"], "eval.local_clients must be >= 0 (0: every client), got -2"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
     (["local.vectorize=true", "algorithm=moon"], "local.vectorize: algorithm 'moon' trains its clients one at a time; "

@@ -63,3 +63,27 @@ def test_fedavg_reports_per_client_accuracy_on_local_test_splits(ray_local, tmp_
     assert evaluated[-1]["local_accuracy"] > 0.3  # it learned (chance: 0.1)
     summary = json.loads((d / "summary.json").read_text())
     assert summary["best_local_accuracy"] == max(m["local_accuracy"] for m in evaluated)
+
+
+def test_a_sample_of_clients_evaluated_on_their_own_splits_each_round_the_same_for_any_actors(ray_local, tmp_path):
+    """`eval.local_clients=4` of 12 (issue 73: the per-client column for a population of
+    millions): each evaluation round 4 clients, drawn afresh; the round's figure is theirs;
+    the same clients and figures with 1 or 2 actors; the summary says it was a sample."""
+    common = ["dataset=digits", "num_clients=12", "rounds=4", "eval_every=2", "partition.test_fraction=0.2",
+              "eval.local_clients=4", f"output_dir={tmp_path}", "--quiet"]
+    picked = {}
+    for actors in (1, 2):
+        assert main([*common, f"resources.num_actors={actors}", f"run_name=a{actors}"]) == 0
+        d = tmp_path / f"a{actors}"
+        rows = [r for r in pq.read_table(d / "clients.parquet").to_pylist() if r["method"] == "evaluate"]
+        metrics = [r for r in pq.read_table(d / "metrics.parquet").to_pylist() if r.get("local_accuracy") is not None]
+        picked[actors] = {m["round"]: sorted((r["cid"], r["accuracy"]) for r in rows if r["round"] == m["round"])
+                          for m in metrics}
+        for m in metrics:
+            mine = [r for r in rows if r["round"] == m["round"]]
+            assert len(mine) == 4
+            assert m["local_accuracy"] == pytest.approx(sum(r["accuracy"] * r["num_samples"] for r in mine)
+                                                        / sum(r["num_samples"] for r in mine))
+        assert json.loads((d / "summary.json").read_text())["local_eval_clients"] == 4
+    assert picked[1] == picked[2] and sorted(picked[1]) == [2, 4]
+    assert [c for c, _ in picked[1][2]] != [c for c, _ in picked[1][4]]  # drawn afresh each evaluation

@@ -58,6 +58,9 @@ class EvalConfig:
     # where the global test set is evaluated: server (its CPU), clients (a client actor's device: its GPU),
     # auto (clients when the client actors train on CUDA, else server): runtime/remote_eval.py
     where: str = "auto"
+    # > 0: each evaluation round, this many clients (drawn afresh, among those there) are evaluated on their own
+    # test splits instead of every client: a population of millions (issue 73). 0: every client
+    local_clients: int = 0
 
 
 @dataclass

@@ -213,6 +213,7 @@ def validate(cfg: DictConfig) -> None:
                                                          f"files (raysim/data/store.py), got {cfg.data_store!r}")
     need(r.torch_threads >= 1, f"resources.torch_threads must be >= 1, got {r.torch_threads}")
     need(r.server_threads >= 0, f"resources.server_threads must be >= 0 (0: every CPU), got {r.server_threads}")
+    need(cfg.eval.local_clients >= 0, f"eval.local_clients must be >= 0 (0: every client), got {cfg.eval.local_clients}")
     need(r.tasks_per_actor is None or r.tasks_per_actor >= 1,
          f"resources.tasks_per_actor must be >= 1 (or null: chosen by the model's size and the GPU), got {r.tasks_per_actor}")
     need(r.placement_timeout > 0, f"resources.placement_timeout must be > 0 seconds, got {r.placement_timeout}")

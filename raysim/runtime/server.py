@@ -263,6 +263,16 @@ class FederatedServer:
     def rng(self, rnd: int, stream: int = 0) -> np.random.Generator:
         return np.random.default_rng([int(self.cfg.seed), rnd, stream])
 
+    def locally_evaluated(self, rnd: int) -> list[int]:
+        """The clients evaluated on their own test splits in round `rnd`: every one there that
+        has a split, or `eval.local_clients` of them drawn without replacement (the server's
+        stream 11 of the round: the same sample for any number of actors)."""
+        cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
+        k = int(self.cfg.eval.local_clients)
+        if 0 < k < len(cids):
+            cids = sorted(int(c) for c in self.rng(rnd, 11).choice(np.asarray(cids), k, replace=False))
+        return cids
+
     def evaluates(self, rnd: int) -> bool:
         """Whether round `rnd` ends with an evaluation: every `eval_every` rounds, and the last."""
         from raysim.contract import ends_with_evaluation
@@ -369,7 +379,7 @@ class FederatedServer:
                 if i == 0 and self.shots is not None:
                     row.update(shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots))
             if self.local_tests is not None:
-                cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
+                cids = self.locally_evaluated(rnd)
                 local, evaluated = self.local_tests.evaluate(models, self.algorithm.serving(cids))
                 row.update(local)
                 if personal_eval.wanted(self.cfg, self.algorithm):  # each client's own model
@@ -532,6 +542,8 @@ class FederatedServer:
         if self.clock is not None:
             summary.update(self.clock.summary(self.record.writer.rows, self.cfg.system.target_accuracy))
         summary.update(self._after_training(summary["final_accuracy"], summary.get("final_local_accuracy")))
+        if self.local_tests is not None and int(self.cfg.eval.local_clients):  # the per-client figures: a sample's
+            summary["local_eval_clients"] = len(self.locally_evaluated(int(self.cfg.rounds)))
         if self.algorithm.unshared:  # the server's model is no client's: its accuracy is not the method's
             summary["server_model_unshared"] = self.algorithm.unshared
         self.dispatch.await_restarts()  # actors killed in the last round (faults) are asked where they run
@@ -579,7 +591,7 @@ class FederatedServer:
                                 shot_accuracy(ev["per_class_accuracy"], self.test_counts, self.shots).items()})
         first = next(iter(models))
         if self.local_tests is not None:
-            cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]  # as the last round's
+            cids = self.locally_evaluated(rnd)  # as the last round's
             local, _ = self.local_tests.evaluate(models, {first: cids})
             out.update(final_local_accuracy=local["local_accuracy"], final_round_local_accuracy=last_round_local)
         last = "-" if last_round_accuracy is None else f"{last_round_accuracy:.4f}"
