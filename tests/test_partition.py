@@ -74,7 +74,7 @@ def test_local_test_split_is_disjoint_and_sized():
     for tr, te in zip(p.train, p.test):
         assert not set(tr) & set(te)
         assert abs(len(te) - 0.25 * (len(tr) + len(te))) <= 1
-    assert len(np.concatenate(p.train + p.test)) == len(Y)
+    assert len(np.concatenate([*p.train, *p.test])) == len(Y)
 
 
 def test_empty_client_is_refused():
@@ -144,3 +144,27 @@ def test_top_up_takes_from_the_largest_down_to_a_common_level():
     assert [len(ix) for ix in out] == [37, 30, 10, 10, 13, 12]
     assert np.array_equal(np.sort(np.concatenate(out)), np.arange(start))
     assert set(out[2]) >= {80, 81} and set(out[2]) - {80, 81} <= set(range(50))  # its own two + the donor's
+
+
+def test_shards_hold_each_clients_indices_as_two_arrays_and_count_labels_in_one_pass():
+    """A partition's per-client index arrays as one order array and N + 1 offsets (issue 73):
+    the same arrays as the list it came from, pickled as two arrays (1M clients: 0.12 s
+    against 28 s for the list, benchmarks/README.md), and the label counts from one bincount."""
+    import pickle
+
+    from raysim.data.partition import Partition, Shards, label_counts
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 5, 200)
+    parts = [np.sort(rng.choice(200, k, replace=False)) for k in (3, 0, 17, 1, 40)]
+    s = Shards.of(parts)
+    assert len(s) == 5 and all(np.array_equal(a, b) for a, b in zip(s, parts))
+    assert np.array_equal(s[-1], parts[-1]) and len(s[1]) == 0 and list(s.sizes()) == [3, 0, 17, 1, 40]
+    with pytest.raises(IndexError):
+        s[5]
+    back = pickle.loads(pickle.dumps(s))
+    assert np.array_equal(back.order, s.order) and np.array_equal(back.offsets, s.offsets)
+    part = Partition(parts)
+    assert isinstance(part.train, Shards) and part.test is None
+    expected = np.stack([np.bincount(y[ix], minlength=5) for ix in parts])
+    assert np.array_equal(label_counts(y, part, 5), expected)

@@ -7,6 +7,7 @@ optional local test split; `label_table` prints the per-client label counts.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,16 +18,67 @@ from raysim.errors import ConfigError
 from raysim.registry import PARTITIONS
 
 
+class Shards(Sequence):
+    """Per-client index arrays held as two arrays: client c's indices are
+    `order[offsets[c]:offsets[c + 1]]` (a view). 8 bytes per client and 8 per sample, and no
+    Python object per client, so a partition of millions of clients is two arrays to hold and
+    to send to the client actors (a list of one array per client: ~100 bytes each, and as
+    many objects to pickle; issue 73)."""
+
+    __slots__ = ("order", "offsets")
+
+    def __init__(self, order: np.ndarray, offsets: np.ndarray):
+        self.order, self.offsets = order, offsets
+
+    @classmethod
+    def of(cls, parts) -> "Shards":
+        """From one index array per client (a Shards is kept as it is)."""
+        if isinstance(parts, Shards):
+            return parts
+        sizes = np.fromiter((len(ix) for ix in parts), np.int64, len(parts))
+        order = (np.concatenate([np.asarray(ix, dtype=np.int64) for ix in parts]) if len(parts)
+                 else np.zeros(0, np.int64))
+        return cls(order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, c):
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        c = int(c)
+        if c < 0:
+            c += len(self)
+        if not 0 <= c < len(self):
+            raise IndexError(f"client {c} of {len(self)}")
+        return self.order[self.offsets[c]:self.offsets[c + 1]]
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def owners(self) -> np.ndarray:
+        """The client of each entry of `order`."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), self.sizes())
+
+    def __reduce__(self):
+        return Shards, (self.order, self.offsets)
+
+
 @dataclass
 class Partition:
     """Per-client index arrays into the training arrays (`train`) and, optionally, a local
-    test split taken from each client's own samples (`test`, also into the training arrays)."""
+    test split taken from each client's own samples (`test`, also into the training arrays),
+    each held as `Shards` (lists of arrays given are converted)."""
 
-    train: list[np.ndarray]
-    test: Optional[list[np.ndarray]] = None
+    train: Shards
+    test: Optional[Shards] = None
+
+    def __post_init__(self) -> None:
+        self.train = Shards.of(self.train)
+        self.test = None if self.test is None else Shards.of(self.test)
 
     def sizes(self) -> np.ndarray:
-        return np.array([len(ix) for ix in self.train])
+        return self.train.sizes()
 
 
 @PARTITIONS.register("iid")
@@ -267,8 +319,11 @@ def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Opti
 
 
 def label_counts(y: np.ndarray, part: Partition, num_classes: int) -> np.ndarray:
-    """(num_clients, num_classes) matrix of training-label counts."""
-    return np.stack([np.bincount(y[ix], minlength=num_classes) for ix in part.train])
+    """(num_clients, num_classes) matrix of training-label counts (one bincount over every
+    sample, not one per client)."""
+    shards = part.train
+    flat = shards.owners() * num_classes + np.asarray(y)[shards.order]
+    return np.bincount(flat, minlength=len(shards) * num_classes).reshape(len(shards), num_classes)
 
 
 def label_entropy(counts: np.ndarray) -> np.ndarray:
