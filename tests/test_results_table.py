@@ -328,6 +328,11 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     assert "[no](#claim-fedavg)" in next(line for line in (tmp_path / "results.md").read_text().splitlines()
                                           if line.startswith("| fedavg |"))  # 55.0 per client against FedPer's 85.0
+    assert '**1 "no" cell(s) without a note yet**: digits/fedavg.' in (tmp_path / "results.md").read_text()
+    (tmp_path / "results" / "notes.yaml").write_text('"digits/fedavg": "FedAvg has no personal model."\n')
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert "without a note yet" not in (tmp_path / "results.md").read_text()
+    (tmp_path / "results" / "notes.yaml").unlink()
     claims.write_text("fedavg: {baseline: fedper, judge: own, direction: below, claim: 'trails FedPer'}\n"
                       "fedper: {baseline: fedavg, judge: own, settings: [], claim: 'about feature shift'}\n")
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")  # a claim that the method trails; one of no setting here
