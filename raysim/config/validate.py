@@ -57,9 +57,7 @@ def validate(cfg: DictConfig) -> None:
 
     check_model_options(cfg.model, OmegaConf.to_container(cfg.model_options))
     need(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
-    from raysim.results.trackers import needs
-
-    missing = needs(cfg)
+    missing = _missing_tracker(cfg)
     need(missing is None, missing or "")
     need(cfg.log.wandb_mode in ("online", "offline", "disabled"),
          f"log.wandb_mode must be online, offline or disabled, got {cfg.log.wandb_mode!r}")
@@ -450,3 +448,14 @@ def check_privacy(cfg: DictConfig, need) -> None:
     need(cfg.clients.join.fraction == 0, f"privacy.mode={pv.mode}: clients.join changes the population the "
                                          "accountant samples from; set clients.join.fraction=0")
 
+
+def _missing_tracker(cfg) -> Optional[str]:
+    """The first tracker `log.*` asks for whose package is missing (raysim/results/trackers.py
+    uses them), as the message to say."""
+    import importlib.util
+
+    for key, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+                               ("mlflow", "mlflow", "mlflow")):
+        if cfg.log.get(key) and importlib.util.find_spec(module) is None:
+            return f"log.{key}=true needs the {module} package: pip install 'raysim[{extra}]' (or {module})"
+    return None

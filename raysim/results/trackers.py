@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 
 def numeric(row: dict) -> dict:
@@ -171,14 +170,3 @@ class Trackers:
             except Exception:
                 pass
         self.active = []
-
-
-def needs(cfg) -> Optional[str]:
-    """The first tracker `log.*` asks for whose package is missing, as the message to say."""
-    import importlib.util
-
-    for key, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
-                               ("mlflow", "mlflow", "mlflow")):
-        if cfg.log.get(key) and importlib.util.find_spec(module) is None:
-            return f"log.{key}=true needs the {module} package: pip install 'raysim[{extra}]' (or {module})"
-    return None
