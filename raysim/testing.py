@@ -33,7 +33,7 @@ from raysim.compression.uplink import Uplink
 from raysim.config import clients_per_round, sum_block
 from raysim.registry import ALGORITHMS, SELECTIONS
 from raysim.world.availability import Availability
-from raysim.runtime.wire import pack, unpack
+from raysim.wire import pack, unpack
 from raysim.training import client_method, evaluate, nbytes, new_client, partial_sum
 from raysim.vectorized import group_sum, unstack
 

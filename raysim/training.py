@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from raysim.contract import Client, ClientResult
-from raysim.runtime.wire import Packed
+from raysim.wire import Packed
 from raysim.seeds import seed_for  # noqa: F401  (raysim.training.seed_for: where algorithms import it from)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -438,7 +438,7 @@ def nbytes(obj) -> int:
         return obj.numel() * obj.element_size()
     if isinstance(obj, np.ndarray):
         return obj.nbytes
-    if isinstance(obj, Packed):  # a tensor on the wire (runtime/wire.py)
+    if isinstance(obj, Packed):  # a tensor on the wire (raysim/wire.py)
         return obj.array.nbytes
     if isinstance(obj, dict):
         return sum(nbytes(v) for v in obj.values())

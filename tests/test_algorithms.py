@@ -138,7 +138,7 @@ def test_sgd_matches_torch_optim_sgd_exactly():
 def test_wire_round_trip_keeps_tensors_and_arrays_apart():
     import pickle
 
-    from raysim.runtime.wire import pack, unpack
+    from raysim.wire import pack, unpack
 
     r = ClientResult(3, 10, {"w": torch.arange(6.0).reshape(2, 3), "counts": np.array([1, 2])}, {"loss": 0.5})
     back = unpack(pickle.loads(pickle.dumps(pack(r))))

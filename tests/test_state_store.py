@@ -15,7 +15,7 @@ import torch
 from raysim.run import main
 from raysim.runtime import state_store
 from raysim.runtime.state_store import ClientStates
-from raysim.runtime.wire import Packed
+from raysim.wire import Packed
 
 
 def _state(rng, n):

@@ -28,7 +28,7 @@ from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import determinism
-from raysim.runtime.wire import pack, unpack
+from raysim.wire import pack, unpack
 from raysim.training import client_method, evaluate, new_client, partial_sum
 from raysim.vectorized import Cohort, group_sum, unstack
 

@@ -41,7 +41,7 @@ from raysim.runtime import placement, pool
 from raysim.runtime.client_actor import DataNotAttached
 from raysim.runtime.clients import describe as describe_needs, start_client_actors
 from raysim.runtime.state_store import ClientStates, state_memory_bytes
-from raysim.runtime.wire import pack, unpack
+from raysim.wire import pack, unpack
 from raysim.training import nbytes
 
 @dataclasses.dataclass

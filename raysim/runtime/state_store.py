@@ -6,7 +6,7 @@ one Ray object each: 10,000 FedPer heads of 7.9 KiB cost 199 KiB of memory per c
 object's bookkeeping in the owner, the store and the raylet) and doubled the round, and
 states larger than the object store spilled object by object, too slowly to finish.
 
-Here the server keeps them itself: the packed state (runtime/wire.py: numpy arrays) of
+Here the server keeps them itself: the packed state (raysim/wire.py: numpy arrays) of
 each client in one dictionary, in memory up to `memory_bytes`, the least recently used
 beyond it appended to one file in a folder of the run's own (pickled, protocol 5), read
 back with one positioned read when the client is selected again. States travel to the
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from raysim.runtime.wire import Packed
+from raysim.wire import Packed
 from raysim.training import nbytes
 
 COMPACT_BYTES = 256 * 2**20
