@@ -228,3 +228,28 @@ def test_digits_split_is_kept_between_commands_and_equals_scikit_learns(tmp_path
     (tmp_path / "cache-under-a-file").write_text("a file, not a folder")
     fresh = load_dataset(load_config(overrides=["seed=3"]))
     assert np.array_equal(fresh.y_train, kept.y_train)
+
+
+def test_synthetic_per_user_makes_each_users_data_from_its_own_stream():
+    """`synthetic.generate=per_user` (issue 73): user k's samples come from (seed, 7, k) alone,
+    so a client's data can be made by itself, when it is picked, with the bits the whole
+    dataset has for it."""
+    import numpy as np
+
+    from raysim.config import load_config
+    from raysim.data.datasets import Synthetic
+
+    cfg = load_config(overrides=["dataset=synthetic", "partition=natural", "model=mclr", "num_clients=40",
+                                 "synthetic.generate=per_user"])
+    data = Synthetic.load(cfg)
+    sizes = Synthetic.sizes(cfg, np.random.default_rng([0, 7]))
+    for k in (0, 17, 39):
+        x, y = Synthetic.user(cfg, k, sizes[k])
+        cut = sizes[k] - int(sizes[k] * 0.2)
+        assert np.array_equal(data.x_train[data.users_train == k], x[:cut])
+        assert np.array_equal(data.y_train[data.users_train == k], y[:cut])
+        assert np.array_equal(data.x_test[data.users_test == k], x[cut:])
+    assert len(np.unique(data.y_train)) >= 8  # each user's own model labels its samples: many classes overall
+    other = Synthetic.load(load_config(overrides=["dataset=synthetic", "partition=natural", "model=mclr",
+                                                  "num_clients=40"]))
+    assert other.x_train.shape == data.x_train.shape and not np.array_equal(other.x_train, data.x_train)

@@ -437,6 +437,8 @@ class SyntheticOptions(Options):
     max_samples_per_client: int = option(0, at_least=0)  # > samples_per_client: sizes uniform in [samples_per_client, this];
     # with samples_per_client 0: a cap on FedProx's log-normal sizes
     test_fraction: float = option(0.2, above=0, below=1)  # each user's share held out for the global test set
+    generate: str = option("all", choices=("all", "per_user"))  # all: one stream for every user | per_user: user k's
+    # model and samples from its own stream (seed, 7, k), so a client's data can be made alone, when it is picked
 
     def check(self, cfg, section: str) -> None:
         if cfg.input_scale != "standardize":
@@ -495,11 +497,33 @@ class Synthetic:
                               "synthetic.samples_per_client")
 
     @staticmethod
+    def user(cfg: DictConfig, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """`synthetic.generate=per_user`: user k's `size` samples and labels, from its own
+        stream (seed, 7, k) alone: the same whether made with every other user or by itself
+        (a client's data made when it is picked, issue 73)."""
+        s = cfg.synthetic
+        d, c = int(s.dim), int(s.num_classes)
+        rng = np.random.default_rng([int(cfg.seed), 7, int(k)])
+        u, b_mean = rng.normal(0, s.alpha), rng.normal(0, s.beta)
+        w = rng.normal(u, 1, (d, c)).astype(np.float32)
+        b = rng.normal(u, 1, c)
+        v = rng.normal(b_mean, 1, d).astype(np.float32)
+        x = rng.standard_normal((int(size), d), dtype=np.float32)
+        x *= np.sqrt(np.arange(1, d + 1, dtype=np.float64) ** -1.2).astype(np.float32)
+        x += v
+        return x, np.argmax(x @ w + b, axis=1).astype(np.int64)
+
+    @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
         s = cfg.synthetic
         n_users, d, c = int(cfg.num_clients), int(s.dim), int(s.num_classes)
         rng = np.random.default_rng([cfg.seed, 7])
         sizes = Synthetic.sizes(cfg, rng)
+        if s.generate == "per_user":
+            made = [Synthetic.user(cfg, k, sizes[k]) for k in range(n_users)]
+            x = np.concatenate([m[0] for m in made]) if made else np.zeros((0, d), np.float32)
+            y = np.concatenate([m[1] for m in made]) if made else np.zeros(0, np.int64)
+            return Synthetic._split(x, y, sizes, float(s.test_fraction), c)
         sigma = np.arange(1, d + 1, dtype=np.float64) ** -1.2
         u = rng.normal(0, s.alpha, n_users)
         b_mean = rng.normal(0, s.beta, n_users)
@@ -516,8 +540,14 @@ class Synthetic:
         for k in range(n_users):  # labels from each user's own model
             lo = ends[k] - sizes[k]
             y[lo:ends[k]] = np.argmax(x[lo:ends[k]] @ w32[k] + b[k], axis=1)
-        # each user's last test_fraction of samples go to the test set
-        n_test = (sizes * float(s.test_fraction)).astype(int)
+        return Synthetic._split(x, y, sizes, float(s.test_fraction), c)
+
+    @staticmethod
+    def _split(x: np.ndarray, y: np.ndarray, sizes: np.ndarray, test_fraction: float, c: int) -> FederatedData:
+        """Users' samples in user order: each user's last `test_fraction` go to the test set."""
+        owner = np.repeat(np.arange(len(sizes)), sizes)
+        ends = np.cumsum(sizes)
+        n_test = (sizes * test_fraction).astype(int)
         is_test = (np.arange(len(owner)) - (ends - sizes)[owner]) >= (sizes - n_test)[owner]
         return FederatedData("synthetic", x[~is_test], y[~is_test], x[is_test], y[is_test], c,
                              users_train=owner[~is_test], users_test=owner[is_test])
