@@ -12,5 +12,8 @@ class UniformSelection(Selection):
     uniform_draw = True
 
     def select(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
-        # with every client there, the same draw as rng.choice(num_clients, k)
-        return sorted(rng.choice(np.asarray(self.available), size=k, replace=False).tolist())
+        # the draw rng.choice(np.asarray(available), k) makes (numpy draws the positions, then
+        # takes them), without an array of every client each round: O(k), not O(N) (15M clients:
+        # 0.2 ms against 0.7 s a round; issue 73); with every client there, rng.choice(num_clients, k)
+        at = rng.choice(len(self.available), size=k, replace=False)
+        return sorted(int(self.available[int(i)]) for i in at)

@@ -123,3 +123,19 @@ def test_bad_fedentopt_settings():
         load_config(overrides=["selection=fedentopt", "fedentopt.buffer=1.5"])
     with pytest.raises(ConfigError, match="fedentopt.epsilon"):
         load_config(overrides=["selection=fedentopt", "fedentopt.epsilon=-1"])
+
+
+def test_uniform_selection_draws_positions_in_O_k_and_picks_what_the_array_draw_picked():
+    """`selection=random` draws k positions among the clients there and takes them: the same
+    clients as `rng.choice(np.asarray(available), k)` (the draw before issue 73), with late
+    joiners absent, without making an array of every client each round."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from raysim.algorithms.uniform import UniformSelection
+
+    s = UniformSelection(OmegaConf.create({}), 100_000, 10)
+    s.available = [c for c in range(100_000) if c % 7]
+    for seed, k in ((0, 1), (1, 10), (2, 1000)):
+        before = sorted(np.random.default_rng(seed).choice(np.asarray(s.available), k, replace=False).tolist())
+        assert s.select(1, k, np.random.default_rng(seed)) == before
