@@ -369,3 +369,30 @@ def test_the_tuned_column_and_the_sweeps_tuning_csv_kept_beside_runs_csv(tmp_pat
     kept = (tmp_path / "results" / "tuning.csv").read_text()
     assert "digits,fedavg,lr=0.1,0.6,1" in kept
     assert "--tuned " + str(tmp_path / "results" / "tuning.csv") in (tmp_path / "results.md").read_text()
+
+
+def test_a_model_made_after_the_last_round_is_the_cell_its_rounds_are_not(tmp_path):
+    """CCVR calibrates its classifier after the last round (`after_training`): the run ends
+    with that model, which no round's evaluation saw, so its cell is that model's accuracy
+    (its best: the larger of it and the rounds' best); the rows before issue 72's column keep
+    their curves' reading."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    rows = [{"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "model_sha256": "ab" * 32,
+             "final_accuracy": "0.9000", "final_local_accuracy": "0.8000", "after_training": "1",
+             "accuracy_curve": "1:0.4000 2:0.5000", "per_client_curve": "1:0.5000 2:0.6000"},
+            {"setting": "digits", "algorithm": "fedper", "seed": "0", "status": "finished", "model_sha256": "cd" * 32,
+             "final_accuracy": "0.9000", "accuracy_curve": "1:0.1000 2:0.2000", "per_client_curve": "1:0.8 2:0.9"}]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    text = (tmp_path / "results.md").read_text()
+    fedavg = next(line for line in text.splitlines() if line.startswith("| fedavg |")).split("|")
+    assert [c.strip() for c in fedavg[3:7]] == ["90.0 ± 0.0", "90.0 ± 0.0", "80.0 ± 0.0", "80.0 ± 0.0"]
+    fedper = next(line for line in text.splitlines() if line.startswith("| fedper |")).split("|")
+    assert fedper[3].strip().startswith("15.0 ± 0.0")  # its curves' last evaluations, not final_accuracy

@@ -106,7 +106,8 @@ def _method(value) -> str:
 # the final round's, a mean of the last few, can be made from them without rerunning anything)
 RECORD = ("setting", "algorithm", "seed", "final_accuracy", "final_local_accuracy", "final_personal_accuracy",
           "server_model_unshared", "mib", "sim_seconds", "wall_seconds", "status", "model_sha256",
-          "client_processors", "raysim_commit", "config_sha256", "tuned", "accuracy_curve", "per_client_curve")
+          "client_processors", "raysim_commit", "config_sha256", "tuned", "accuracy_curve", "per_client_curve",
+          "after_training")
 NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", "mib", "sim_seconds", "wall_seconds")
 
 
@@ -117,6 +118,9 @@ def _record(point: dict, summary: dict, run_dir: Path) -> dict:
     row["mib"] = (rounds[-1]["bytes_down"] + rounds[-1]["bytes_up"]) / 2 ** 20 if rounds else None
     row["client_processors"] = "; ".join(summary.get("client_processors") or []) or None
     row["accuracy_curve"], row["per_client_curve"] = _curves(rounds)
+    # a model made after the last round (CCVR's calibration): the run ends with it, and its
+    # final_* accuracies are that model's, which no round's evaluation saw
+    row["after_training"] = 1 if summary.get("after_training") else None
     return {**{k: point[k] for k in AXES}, **row}
 
 
@@ -226,7 +230,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "machine runs only what runs.csv (and the tuning, tuning.csv) lacks). " + (f"Every run from raysim {code}. " if len(commits) == 1 else
                                          f"**Runs of {len(commits)} versions of raysim** (--allow-mixed): {code}. ") +
              "Each cell: mean ± std over the seeds done (a cell short "
-             f"of seeds says how many it has) of each run's accuracy, the mean of its last {last} evaluations; "
+             f"of seeds says how many it has) of each run's accuracy, the mean of its last {last} evaluations "
+             "(a method whose model is made after the last round, CCVR's calibration: that model's); "
              "*best*: each run's best evaluation, the same way; *tuned*: the hyper-parameters the sweep's tuning "
              "chose for the row (on held-out training samples of seed 0, never a test set: raysim/tuning.py). "
              "*global*: the server's model on the test set "
@@ -419,10 +424,19 @@ def _best(text: str | None) -> float | None:
 def _accuracy(record: dict, own: bool, last: int) -> float | None:
     """A run's accuracy for a cell: the mean of its last `last` evaluations (0: its best) of
     the global model (`own` False) or of the per-client column (personal, else local
-    accuracy); a row without curves: its final value."""
+    accuracy); a row without curves: its final value. A run whose model is made after the
+    last round (`after_training`: CCVR's calibration) is that model's accuracy (its best: the
+    larger of it and the rounds' best)."""
     text = _own_curve(record) if own else record.get("accuracy_curve")
+    final = _final(record, own)
+    if record.get("after_training") and final is not None:
+        return final if last or not text else max(final, _best(text))
     if text:
         return _last(text, last) if last else _best(text)
+    return final
+
+
+def _final(record: dict, own: bool) -> float | None:
     if own:
         personal = record.get("final_personal_accuracy")
         return personal if personal is not None else record.get("final_local_accuracy")
