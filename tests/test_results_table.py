@@ -320,7 +320,8 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     fedper = next(line for line in text.splitlines() if line.startswith("| fedper |"))
     assert "[yes](#claim-fedper)" in fedper  # 85.0 per client against FedAvg's 55.0
     assert "[n/c](#claim-fedavg)" in next(line for line in text.splitlines() if line.startswith("| fedavg |"))
-    assert "in 1 cells the table reproduces its paper's direction, in **0 it does not**, 1 are not comparable" in text
+    assert ("in 1 cells the table reproduces its paper's direction, in **0 it does not**, in 0 the two are within "
+            "their seeds' spread (a tie: the table cannot order them), 1 are not comparable") in text
     assert '<a id="claim-fedper"></a>**fedper** (against fedavg, own): FedPer above FedAvg per client (Table 1)' in text
     assert "**fedavg** (against fedper, global; read on syn): a claim about syn" in text
     claims.write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n"
@@ -396,3 +397,26 @@ def test_a_model_made_after_the_last_round_is_the_cell_its_rounds_are_not(tmp_pa
     assert [c.strip() for c in fedavg[3:7]] == ["90.0 ± 0.0", "90.0 ± 0.0", "80.0 ± 0.0", "80.0 ± 0.0"]
     fedper = next(line for line in text.splitlines() if line.startswith("| fedper |")).split("|")
     assert fedper[3].strip().startswith("15.0 ± 0.0")  # its curves' last evaluations, not final_accuracy
+
+
+def test_a_claim_within_the_seeds_spread_is_a_tie(tmp_path):
+    """Two seeds each: FedPer 4 points above FedAvg per client with FedAvg's seeds 7 points
+    apart (std 7.1) is a tie, not a yes; 20 points above is a yes."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1]"))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "claims.yaml").write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n")
+    for fedper, verdict in (((0.62, 0.66), "tie"), ((0.80, 0.82), "yes")):
+        rows = [{"setting": "digits", "algorithm": a, "seed": str(seed), "status": "finished",
+                 "model_sha256": f"{seed}{a}".ljust(64, "0"), "accuracy_curve": "1:0.5000",
+                 "per_client_curve": f"1:{own:.4f}"}
+                for a, owns in (("fedavg", (0.55, 0.65)), ("fedper", fedper)) for seed, own in enumerate(owns)]
+        with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+            w = csv.DictWriter(out, RECORD)
+            w.writeheader()
+            w.writerows(rows)
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+        line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith("| fedper |"))
+        assert f"[{verdict}](#claim-fedper)" in line

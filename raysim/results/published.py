@@ -256,9 +256,10 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         index[(p["setting"], p["algorithm"])].append(p)
     means = {key: _cell_means(points, last) for key, points in index.items()}
     verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], means) for key in index}
-    counted = {v: sum(x == v for x in verdicts.values()) for v in ("yes", "no", "n/c")}
+    counted = {v: sum(x == v for x in verdicts.values()) for v in ("yes", "no", "tie", "n/c")}
     lines += [f"**The papers' claims** (each method's headline comparison, [below](#the-papers-claims)): in "
               f"{counted['yes']} cells the table reproduces its paper's direction, in **{counted['no']} it does not**, "
+              f"in {counted['tie']} the two are within their seeds' spread (a tie: the table cannot order them), "
               f"{counted['n/c']} are not comparable (another setting or metric), "
               f"{sum(v == '-' for v in verdicts.values())} have no claim recorded yet or no runs.", ""]
     unexplained = [f"{s}/{a}" for (s, a), v in sorted(verdicts.items()) if v == "no"
@@ -313,9 +314,10 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     if claims:
         lines += ["## The papers' claims", "", "Each method's paper's headline comparison, and the column of this "
                   "table it is read against (*global* or *per client*): a cell says **yes** where the method's mean "
-                  "there is above its baseline's in the same setting, **no** where it is not (or every run diverged), "
-                  "*n/c* where the claim is about another kind of setting. Every \"no\" carries a note with its "
-                  "measured cause or fix.", ""]
+                  "there is above its baseline's in the same setting (below, for a claim that the method trails), "
+                  "**no** where it is not (or every run diverged), *tie* where the two means are no further apart "
+                  "than the larger of their seeds' standard deviations, *n/c* where the claim is about another kind "
+                  "of setting. Every \"no\" carries a note with its measured cause or fix.", ""]
         lines += [f'<a id="claim-{a}"></a>**{a}** ({"below" if c["direction"] == "below" else "against"} '
                   f'{c["baseline"]}, {c["judge"]}{_where(c["settings"])}): {c["claim"]}\n' for a, c in claims.items()]
     if numbered:
@@ -366,21 +368,24 @@ def read_claims(path: Path, settings: list, algorithms: list) -> dict:
 
 
 def _cell_means(points: list, last: int) -> tuple | None:
-    """(global, per client) means of a cell's runs that did not diverge; (None, None) when
-    every run diverged; None when none ran."""
+    """(global mean, per-client mean, global std, per-client std) over a cell's runs that did
+    not diverge (std 0 for one run); Nones when every run diverged; None when none ran."""
     ran = [p["record"] for p in points if p["record"] is not None]
     if not ran:
         return None
     ok = [r for r in ran if r.get("status") != "diverged"]
 
-    def mean(own: bool):
+    def stats(own: bool):
         v = [x for x in (_accuracy(r, own, last) for r in ok) if x is not None]
-        return sum(v) / len(v) if v else None
-    return mean(False), mean(True)
+        return mean_std(v) if v else (None, None)
+    (g, gs), (o, os_) = stats(False), stats(True)
+    return g, o, gs, os_
 
 
 def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> str:
-    """yes / no / n/c for a cell against its paper's claim; '-' without a claim or runs."""
+    """yes / no / tie / n/c for a cell against its paper's claim ('-' without a claim or runs):
+    tie where the two means are no further apart than the larger of their seeds' spreads
+    (std; one seed has none), so the table cannot tell their order."""
     if claim is None:
         return "-"
     if claim["settings"] is not None and setting not in claim["settings"]:
@@ -393,6 +398,8 @@ def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> s
         return "-"
     if mine[i] is None:
         return "no"
+    if abs(mine[i] - base[i]) <= max(mine[i + 2] or 0.0, base[i + 2] or 0.0):
+        return "tie"
     return "yes" if (mine[i] > base[i] if claim["direction"] == "above" else mine[i] < base[i]) else "no"
 
 
