@@ -274,10 +274,12 @@ def point_name(values: dict) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None) -> list[dict]:
+def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None, check: bool = True) -> list[dict]:
     """Every point (less those `skip` names): its name, overrides and state (done / partial /
     new); each point's config checked here, before anything runs. `extra(values)`: overrides
-    appended to a point's (its tuned hyper-parameters)."""
+    appended to a point's (its tuned hyper-parameters). `check`: a point's folder from an
+    earlier run must hold this config's run (`check_same_point`); off for the plan made before
+    the tuning stage, whose points lack their tuned values still."""
     from raysim.config import read_layers, resolve
 
     points = []
@@ -297,7 +299,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None)
             cfg = resolve(read_layers(files, overrides))
         except ConfigError as e:
             raise ConfigError(f"point {name}: {e}") from None
-        if state != "new":
+        if state != "new" and check:
             check_same_point(run_dir, cfg, name, state)
         if any(p["name"] == name for p in points):
             raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
@@ -437,7 +439,9 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     sweep_dir = (output_dir / name).resolve()
     if sweep_dir.is_dir():  # another sweep running into the same folder would run (and remove) the same points
         check_free(sweep_dir)
-    points = plan(files, fixed, grid, sweep_dir, skip)  # every point's config checked before anything runs
+    # every point's config checked before anything runs; with a tuning stage, a finished point's folder is
+    # checked against its config with the tuned values, in the plan made after the stage
+    points = plan(files, fixed, grid, sweep_dir, skip, check=tuning is None)
     todo = [p for p in points if p["state"] != "done"]
     if not todo:
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points)} done, 0 to run")

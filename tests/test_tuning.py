@@ -75,6 +75,11 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
     held = [c for c, n in enumerate(counts) if n]
     assert 140 < sum(counts) <= 150 and score(run_dir, "balanced", 2) == pytest.approx(
         np.mean([np.mean([r[c] for c in held]) for r in per_class[-2:]]))
+    # the sweep again: its finished point holds the tuned lr, which the plan made before the tuning
+    # stage lacks; it is checked against the tuned config, and nothing runs again
+    done = (out / "seed=0,algorithm=fedavg" / "summary.json").stat().st_mtime_ns
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    assert (out / "seed=0,algorithm=fedavg" / "summary.json").stat().st_mtime_ns == done
     # the same rows from the run folders alone (a stage stopped part way)
     assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out"),
                   "--record-tuning", str(tmp_path / "again.csv")]) == 0
