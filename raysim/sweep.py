@@ -277,9 +277,10 @@ def point_name(values: dict) -> str:
 def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None, check: bool = True) -> list[dict]:
     """Every point (less those `skip` names): its name, overrides and state (done / partial /
     new); each point's config checked here, before anything runs. `extra(values)`: overrides
-    appended to a point's (its tuned hyper-parameters). `check`: a point's folder from an
-    earlier run must hold this config's run (`check_same_point`); off for the plan made before
-    the tuning stage, whose points lack their tuned values still."""
+    appended to a point's (its tuned hyper-parameters). `check` (or `check(values)`): a point's
+    folder from an earlier run must hold this config's run (`check_same_point`); off for the
+    plan made before the tuning stage, whose points lack their tuned values still, and for a
+    finished cell whose tuned values are not known (its tuning runs gone)."""
     from raysim.config import read_layers, resolve
 
     points = []
@@ -299,7 +300,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
             cfg = resolve(read_layers(files, overrides))
         except ConfigError as e:
             raise ConfigError(f"point {name}: {e}") from None
-        if state != "new" and check:
+        if state != "new" and (check(values) if callable(check) else check):
             check_same_point(run_dir, cfg, name, state)
         if any(p["name"] == name for p in points):
             raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
@@ -449,42 +450,54 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(sweep_dir):
         if tuning is not None:
-            cells = {(p["values"].get("setting", ""), p["values"]["algorithm"]) for p in todo}
-            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip)
-            points = plan(files, fixed, grid, sweep_dir, skip,
-                          extra=lambda v: chosen.get((value_label("setting", v["setting"]) if "setting" in v else "",
-                                                      value_label("algorithm", v["algorithm"])), []))
+            cell_of = lambda v: (v.get("setting", ""), v["algorithm"])  # noqa: E731
+            cells = {cell_of(p["values"]) for p in todo}
+            finished = {cell_of(p["values"]) for p in points} - cells
+            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished)
+            labelled = lambda v: cell_of({k: value_label(k, x) for k, x in v.items()})  # noqa: E731
+            # a finished cell's points are checked with its tuned values (its choice read back from its
+            # tuning runs), not with the defaults; one whose tuning runs are gone is not checked
+            points = plan(files, fixed, grid, sweep_dir, skip, extra=lambda v: chosen.get(labelled(v), []),
+                          check=lambda v: labelled(v) in chosen)
             todo = [p for p in points if p["state"] != "done"]
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
         return _run(points, todo, files, fixed, sweep_dir, say)
 
 
-def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = ()) -> dict:
-    """The tuning stage: run the tuning points not done nor recorded, score every one, write
-    <sweep>/tuning.csv; returns {cell: the chosen point's overrides}."""
+def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = (),
+          finished: set = frozenset()) -> dict:
+    """The tuning stage: run the tuning points of `cells` not done nor recorded, score every one,
+    write <sweep>/tuning.csv; returns {cell: the chosen point's overrides}, the `finished` cells'
+    (every point run) too where their tuning runs are all there, read back, nothing run."""
     from raysim.tuning import choose, merge_tuned, score
 
-    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells, skip)
+    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
-    todo = [p for p in tpoints if p["state"] != "done" and not recorded(p)]
-    say(f"tuning: {len(tpoints)} points for {len(cells)} cell(s) on seed {tuning.seed}, {len(todo)} to run")
+    there = lambda p: recorded(p) or (Path(p["run_dir"]) / "summary.json").is_file()  # noqa: E731
+    todo = [p for p in tpoints if p["cell"] in cells and p["state"] != "done" and not recorded(p)]
+    say(f"tuning: {sum(p['cell'] in cells for p in tpoints)} points for {len(cells)} cell(s) on seed "
+        f"{tuning.seed}, {len(todo)} to run")
     if todo:
-        _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say,
-             done=lambda p: recorded(p) or (Path(p["run_dir"]) / "summary.json").is_file())
+        _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say, done=there)
     rows, chosen = [], {}
-    for cell in sorted(cells):
+    for cell in sorted(cells | finished):
         mine = [p for p in tpoints if p["cell"] == cell]
+        if cell not in cells and not all(map(there, mine)):
+            continue  # a finished cell whose tuning runs are gone: its choice is not known here
         scores = {p["point"]: tuned[(*cell, p["point"])] if recorded(p) else
                   score(Path(p["run_dir"]), tuning.judged(cell[0]), tuning.last) for p in mine}
         best = choose(scores)
+        if best is None and cell not in cells:
+            continue
         if best is None:
             raise ConfigError(f"tuning {'/'.join(c for c in cell if c)}: every tuning run diverged or failed "
                               f"({', '.join(scores)}); widen tune.grid")
         chosen[cell] = next(p["combo"] for p in mine if p["point"] == best)
         rows += [{"setting": cell[0], "algorithm": cell[1], "point": p, "score": s, "chosen": int(p == best)}
                  for p, s in scores.items()]
-        say(f"tuning {'/'.join(c for c in cell if c)}: {best} "
-            f"({', '.join(f'{p} {s:.4f}' if s is not None else f'{p} -' for p, s in scores.items())})")
+        if cell in cells:
+            say(f"tuning {'/'.join(c for c in cell if c)}: {best} "
+                f"({', '.join(f'{p} {s:.4f}' if s is not None else f'{p} -' for p, s in scores.items())})")
     merge_tuned(sweep_dir / "tuning.csv", rows)
     return chosen
 

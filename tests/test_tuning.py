@@ -161,3 +161,28 @@ def test_a_tuning_point_that_diverges_is_a_result_never_chosen_and_the_sweep_goe
     rows = {r["point"]: r for r in csv.DictReader((tmp_path / "out" / "d" / "tuning.csv").open())}
     assert rows["lr=1e+30"]["score"] == "" and rows["lr=0.1"]["chosen"] == "1"
     assert (tmp_path / "out" / "d" / "seed=0,algorithm=fedavg" / "summary.json").is_file()
+
+
+def test_a_sweep_resumed_for_a_new_cell_checks_a_finished_cell_with_its_tuned_values(ray_local, tmp_path):
+    """One cell finished with a tuned lr, another still to run: the resumed sweep reads the finished
+    cell's choice back from its tuning runs (it was refused as 'another config', the default lr)."""
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s.yaml").write_text(json.dumps({
+        "name": "r", "fixed": {"rounds": 1, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
+                               "resources": {"num_actors": 1}},
+        "grid": {"seed": [0], "algorithm": ["fedavg", "fedprox"]},
+        "tune": {"grid": {"local.lr": [0.2, 0.5]}, "last": 1, "judge": "global"}}))
+    args = ["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]
+    assert sweep([*args, "algorithm=fedavg"]) == 0
+    out = tmp_path / "out" / "r"
+    done = (out / "seed=0,algorithm=fedavg" / "summary.json").stat().st_mtime_ns
+    import yaml
+
+    assert yaml.safe_load((out / "seed=0,algorithm=fedavg" / "config.yaml").read_text())["local"]["lr"] in (0.2, 0.5)
+    assert sweep(args) == 0  # fedprox tuned and run; fedavg's finished point left as it is
+    assert (out / "seed=0,algorithm=fedavg" / "summary.json").stat().st_mtime_ns == done
+    assert (out / "seed=0,algorithm=fedprox" / "summary.json").is_file()
+    rows = list(csv.DictReader((out / "tuning.csv").open()))
+    assert sorted({r["algorithm"] for r in rows}) == ["fedavg", "fedprox"]
+    assert sum(r["chosen"] == "1" for r in rows) == 2
