@@ -469,7 +469,7 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
     """The tuning stage: run the tuning points of `cells` not done nor recorded, score every one,
     write <sweep>/tuning.csv; returns {cell: the chosen point's overrides}, the `finished` cells'
     (every point run) too where their tuning runs are all there, read back, nothing run."""
-    from raysim.tuning import choose, merge_tuned, score
+    from raysim.tuning import choose, merge_tuned, run_seconds, score
 
     tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
@@ -493,8 +493,9 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
             raise ConfigError(f"tuning {'/'.join(c for c in cell if c)}: every tuning run diverged or failed "
                               f"({', '.join(scores)}); widen tune.grid")
         chosen[cell] = next(p["combo"] for p in mine if p["point"] == best)
-        rows += [{"setting": cell[0], "algorithm": cell[1], "point": p, "score": s, "chosen": int(p == best)}
-                 for p, s in scores.items()]
+        took = {p["point"]: run_seconds(Path(p["run_dir"])) for p in mine}  # None for a point recorded elsewhere
+        rows += [{"setting": cell[0], "algorithm": cell[1], "point": p, "score": s, "chosen": int(p == best),
+                  "wall_seconds": took[p]} for p, s in scores.items()]
         if cell in cells:
             say(f"tuning {'/'.join(c for c in cell if c)}: {best} "
                 f"({', '.join(f'{p} {s:.4f}' if s is not None else f'{p} -' for p, s in scores.items())})")

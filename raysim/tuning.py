@@ -36,6 +36,7 @@ from raysim.errors import ConfigError
 
 JUDGES = ("own", "global", "balanced")
 CSV_FIELDS = ("setting", "algorithm", "point", "score", "chosen")
+WRITTEN_FIELDS = (*CSV_FIELDS, "wall_seconds")  # a run's time: the table's regeneration cost (older files lack it)
 
 
 @dataclass
@@ -154,22 +155,34 @@ def read_tuned(path: Path) -> dict:
     return out
 
 
+def run_seconds(run_dir: Path) -> float | None:
+    """A tuning run's wall time from its summary (None when it has none)."""
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()).get("wall_seconds") if summary.is_file() else None
+
+
 def write_tuned(path: Path, rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=WRITTEN_FIELDS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in WRITTEN_FIELDS})
 
 
 def merge_tuned(path: Path, rows: list[dict]) -> None:
     """Write `rows` into the tuning.csv at `path`: they replace the rows of their cells, the
     other cells' rows stay (an earlier invocation's, or another machine's)."""
     cells = {(str(r["setting"]), str(r["algorithm"])) for r in rows}
-    kept = []
+    kept, before = [], {}
     if path.is_file():
         with path.open(newline="") as f:
-            kept = [r for r in csv.DictReader(f) if (r["setting"], r["algorithm"]) not in cells]
+            for r in csv.DictReader(f):
+                before[(r["setting"], r["algorithm"], r["point"])] = r.get("wall_seconds") or None
+                if (r["setting"], r["algorithm"]) not in cells:
+                    kept.append(r)
+    # a point scored from a recorded tuning.csv (made elsewhere) keeps the time recorded with it
+    rows = [r if r.get("wall_seconds") is not None else
+            {**r, "wall_seconds": before.get((str(r["setting"]), str(r["algorithm"]), str(r["point"])))} for r in rows]
     write_tuned(path, sorted(kept + rows, key=lambda r: (str(r["setting"]), str(r["algorithm"]), str(r["point"]))))
 
 
@@ -179,6 +192,7 @@ def record(tuning: Tuning, sweep_dir: Path, out: Path) -> int:
     a tuning stage stopped part way counts on another machine (`sweep --tuned out`). `tuning`:
     the sweep file's tune section. Returns the number of rows."""
     cells: dict = {}
+    seconds: dict = {}
     for run_dir in sorted((sweep_dir / "tuning").iterdir()) if (sweep_dir / "tuning").is_dir() else []:
         if not (run_dir / "summary.json").is_file():
             continue
@@ -190,11 +204,12 @@ def record(tuning: Tuning, sweep_dir: Path, out: Path) -> int:
         algorithm = parts[keys[0]].split("=", 1)[1]
         point = ",".join(parts[keys[0] + 1:])
         cells.setdefault((setting, algorithm), {})[point] = score(run_dir, tuning.judged(setting), tuning.last)
+        seconds[(setting, algorithm, point)] = run_seconds(run_dir)
     rows = []
     for (setting, algorithm), scores in sorted(cells.items()):
         complete = len(scores) == len(tuning.combos(algorithm))
         best = choose(scores) if complete else None
-        rows += [{"setting": setting, "algorithm": algorithm, "point": p, "score": s, "chosen": int(p == best)}
-                 for p, s in scores.items()]
+        rows += [{"setting": setting, "algorithm": algorithm, "point": p, "score": s, "chosen": int(p == best),
+                  "wall_seconds": seconds[(setting, algorithm, p)]} for p, s in scores.items()]
     write_tuned(out, rows)
     return len(rows)

@@ -420,3 +420,32 @@ def test_a_claim_within_the_seeds_spread_is_a_tie(tmp_path):
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
         line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith("| fedper |"))
         assert f"[{verdict}](#claim-fedper)" in line
+
+
+def test_the_header_states_the_regeneration_cost_of_tuning_and_table_runs(tmp_path):
+    """The tuning runs' times travel in tuning.csv (wall_seconds); a row scored from a recorded
+    tuning.csv keeps the time recorded with it; the header adds them to the table's runs'."""
+    from raysim.results.published import RECORD, write_doc
+    from raysim.tuning import merge_tuned
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP)
+    (tmp_path / "results").mkdir()
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "tuned": "lr=0.1",
+                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000", "wall_seconds": "1800"})
+    sweep_dir = tmp_path / "runs" / "t"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "tuning.csv").write_text("setting,algorithm,point,score,chosen,wall_seconds\n"
+                                          "digits,fedavg,lr=0.01,0.3,0,3600\ndigits,fedavg,lr=0.1,0.6,1,5400\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    doc = (tmp_path / "results.md").read_text()
+    assert "the tuning's 2 runs took 2.5 h of run time, the table's runs 0.5 h: 3.0 h in all" in doc
+    # the same cell scored again from a recorded file (no time of its own): the recorded times stay
+    merge_tuned(tmp_path / "results" / "tuning.csv",
+                [{"setting": "digits", "algorithm": "fedavg", "point": p, "score": s, "chosen": c}
+                 for p, s, c in (("lr=0.01", 0.3, 0), ("lr=0.1", 0.6, 1))])
+    kept = list(csv.DictReader((tmp_path / "results" / "tuning.csv").open()))
+    assert [r["wall_seconds"] for r in kept] == ["3600", "5400"]

@@ -82,6 +82,22 @@ def _chosen(path: Path) -> dict:
         return {(r["setting"], r["algorithm"]): r["point"] for r in csv.DictReader(f) if r["chosen"] == "1"}
 
 
+def _cost(tuning_csv: Path, cells: set, table_seconds: float) -> str:
+    """The regeneration cost the header states: the tuning runs' time (tuning.csv's wall_seconds, of
+    the table's cells) and the table's runs'."""
+    rows = []
+    if tuning_csv.is_file():
+        with tuning_csv.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if (r["setting"], r["algorithm"]) in cells]
+    timed = [float(r["wall_seconds"]) for r in rows if r.get("wall_seconds")]
+    untimed = len(rows) - len(timed)
+    tuning = sum(timed)
+    return (f"Regeneration cost: the tuning's {len(rows)} runs took {tuning / 3600:.1f} h of run time"
+            + (f" ({untimed} of them without a recorded time)" if untimed else "")
+            + f", the table's runs {table_seconds / 3600:.1f} h: {(tuning + table_seconds) / 3600:.1f} h in all, "
+            "about half that in wall time at the sweep's two points at a time on a 2-core machine.")
+
+
 def _merge_tuning(here: Path, recorded: Path) -> None:
     """Keep the sweep's tuning.csv beside runs.csv (`<doc dir>/results/tuning.csv`): its rows
     replace the recorded ones of the same cells; `python -m raysim.sweep --tuned` reads it on
@@ -247,7 +263,9 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "`model_sha256` can be checked against its row of [results/runs.csv](results/runs.csv) (the same "
              "bits on the same torch build and processor). Runs made on: " + "; ".join(
                  f"{where} ({n} runs, {secs / 3600:.1f} h of run time)"
-                 for where, (n, secs) in sorted(made_on.items(), key=lambda kv: -kv[1][0])) + ".", ""]
+                 for where, (n, secs) in sorted(made_on.items(), key=lambda kv: -kv[1][0])) + ". "
+             + _cost(side / "tuning.csv", {(p["setting"], p["algorithm"]) for p in plan["points"]},
+                     sum(secs for _, secs in made_on.values())), ""]
     head = [line[1:].strip() for line in _leading_comments(sweep_file)]
     if head:  # the sweep file's own account of its settings and what was cut to fit
         lines += ["From the sweep file:", "", *[f"> {line}" if line else ">" for line in head], ""]
