@@ -449,3 +449,37 @@ def test_the_header_states_the_regeneration_cost_of_tuning_and_table_runs(tmp_pa
                  for p, s, c in (("lr=0.01", 0.3, 0), ("lr=0.1", 0.6, 1))])
     kept = list(csv.DictReader((tmp_path / "results" / "tuning.csv").open()))
     assert [r["wall_seconds"] for r in kept] == ["3600", "5400"]
+
+
+def test_many_algorithms_get_a_panel_each_with_the_baseline_in_grey(tmp_path):
+    """Past 8 lines one axes repeats colours and dashes (FedAvg and the 41st row both solid blue):
+    each algorithm its own panel, the first row's curve grey in the others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from raysim.results import figures
+
+    made = []
+    real = plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        made.append(fig)
+        return real(fig, *a, **k)
+
+    lines = {f"alg{i}": [[(r, 10.0 * i / 2 + r) for r in (1, 2, 3)], [(r, 10.0 * i / 2 + r + 1) for r in (1, 2)]]
+             for i in range(9)}
+    plt.Figure.savefig = keep
+    try:
+        figures.band_curves(lines, tmp_path / "s.png", title="s", ylabel="accuracy (%)")
+        figures.band_curves(dict(list(lines.items())[:3]), tmp_path / "few.png", title="s", ylabel="accuracy (%)")
+    finally:
+        plt.Figure.savefig = real
+    panels = [ax for ax in made[0].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == list(lines)
+    assert len(panels[0].lines) == 1 and all(len(ax.lines) == 2 for ax in panels[1:])  # the baseline beside each
+    grey = panels[4].lines[0]
+    assert list(grey.get_ydata()) == [1.5, 2.5, 3.0]  # alg0's mean over the seeds that reached each round
+    assert list(panels[4].lines[1].get_xdata()) == [1, 2, 3]  # a seed that stopped early: the line goes on with the other
+    assert len(made[1].axes) == 1 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -100,7 +100,8 @@ def curves_figure(series: list[dict], x_label: str, y_label: str, path: Path, ti
 def band_curves(lines: dict[str, list[list[tuple]]], path: Path, title: str, ylabel: str) -> Path:
     """`lines`: label -> each seed's curve [(round, value), ...]. One line per label: the mean
     over the seeds that reached each round, with a band from their min to their max (a run
-    that diverged ends where it stopped, and its line with it when it was the last)."""
+    that diverged ends where it stopped, and its line with it when it was the last). Up to 8
+    labels share one axes; more get a panel each (`small_multiples`)."""
     series = []
     for label, curves in lines.items():
         rounds = sorted({r for c in curves for r, _ in c})
@@ -108,4 +109,41 @@ def band_curves(lines: dict[str, list[list[tuple]]], path: Path, title: str, yla
         series.append({"label": label, "x": rounds, "mean": [sum(v) / len(v) for v in at],
                        "low": [min(v) for v in at] if len(curves) > 1 else None,
                        "high": [max(v) for v in at] if len(curves) > 1 else None})
-    return curves_figure(series, "round", ylabel, path, title=title, columns=4 if len(series) > 8 else 1, unit=100.0)
+    if len(series) > 8:
+        return small_multiples(series, "round", ylabel, path, title=title, unit=100.0)
+    return curves_figure(series, "round", ylabel, path, title=title, unit=100.0)
+
+
+def small_multiples(series: list[dict], x_label: str, y_label: str, path: Path, title: str, unit: float = 1.0,
+                    columns: int = 6) -> Path:
+    """A panel per entry of `series` (as curves_figure's), all on the same axes' limits, the
+    first entry (the baseline) drawn thin and grey in every other panel: past a handful of
+    lines one axes cannot show who converges, who diverges and who is still rising."""
+    plt = _pyplot()
+    rows = -(-len(series) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.3 * columns, 1.9 * rows + 0.6), sharex=True, sharey=True,
+                             layout="constrained", squeeze=False)
+    base = series[0]
+    for i, ax in enumerate(axes.flat):
+        if i >= len(series):
+            ax.set_visible(False)
+            continue
+        s = series[i]
+        if i:
+            ax.plot(base["x"], base["mean"], color="0.6", linewidth=0.8)
+        ax.plot(s["x"], s["mean"], color="C0", linewidth=1.3)
+        if s.get("low") is not None:
+            ax.fill_between(s["x"], [max(v, 0.0) for v in s["low"]], [min(v, unit) for v in s["high"]], color="C0",
+                            alpha=0.25, linewidth=0)
+        ax.set_title(s["label"], fontsize=8, pad=2)
+        ax.set_ylim(0, unit)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel(x_label, fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(y_label, fontsize=7)
+    fig.suptitle(f"{title}; grey: {base['label']}", fontsize=10)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
