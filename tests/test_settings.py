@@ -98,6 +98,14 @@ def test_a_section_the_run_does_not_read_is_refused_and_fedconcat_id_reads_fedco
     r = cli(["--print-config", "--config", "configs/experiments/fedconcat_table1_c2.yaml", "algorithm=fedavg"], tmp_path)
     assert r.returncode == 0 and "experiments/fedconcat_table1_c2.yaml sets fedconcat.*, which algorithm=fedavg " \
                                   "does not read" in r.stderr, r.stderr
+    # a run's own config.yaml holds every section, the unread ones at their defaults: rerun, it says nothing of them
+    r = cli(["--print-config", "algorithm=fedavg", "rounds=3"], tmp_path)
+    (tmp_path / "run.yaml").write_text(r.stdout)
+    r = cli(["--print-config", "--config", str(tmp_path / "run.yaml")], tmp_path)
+    assert r.returncode == 0 and "does not read" not in r.stderr, r.stderr
+    (tmp_path / "run.yaml").write_text(r.stdout.replace("fedprox:\n  mu: 0.01\n", "fedprox:\n  mu: 0.5\n"))
+    r = cli(["--print-config", "--config", str(tmp_path / "run.yaml")], tmp_path)
+    assert "run.yaml sets fedprox.*, which algorithm=fedavg does not read" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- an installed raysim (4)

@@ -140,8 +140,23 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
 
     names = [short(s) if s != OVERRIDES else "overrides" for s, data in layers if data or s != OVERRIDES]
     lines = [f"config: {' < '.join(names)}"]
+    from omegaconf import OmegaConf
+
+    from raysim.config.sections import plugin_sections, schema
+
+    every, data_of = set(plugin_sections()), dict(layers)
+    whole = {source for source, data in layers if every <= set(data)}  # a run's config.yaml: every section
+
+    def news(source: str, name: str) -> bool:
+        """A run's config.yaml (resumed, or given to --config to run it again) holds every
+        section, each unread one at its schema defaults: news only where it differs from them."""
+        if source not in whole:
+            return True
+        defaults, values = OmegaConf.to_container(schema()[name]), data_of[source][name]
+        return not isinstance(values, dict) or any(values[k] != defaults.get(k) for k in values)
+
     for source, name, key in unused_sections(layers, cfg):
-        if source != OVERRIDES and not cfg.get("resume"):  # a run's config.yaml holds every section: no news
+        if source != OVERRIDES and not cfg.get("resume") and news(source, name):
             lines.append(f"note: {short(source)} sets {name}.*, which {key}={cfg[key]} does not read")
     if defaulted_test_split(layers, cfg):
         lines.append(f"note: algorithm={cfg.algorithm} tests each client's own model on its own test split: "
