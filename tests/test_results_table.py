@@ -350,8 +350,10 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
 
 
-def test_the_tuned_column_and_the_sweeps_tuning_csv_kept_beside_runs_csv(tmp_path):
-    from raysim.results.published import RECORD, write_doc
+def _one_recorded_run(tmp_path, **more):
+    """The SWEEP file, a runs.csv recording digits/fedavg's seed 0 (tuned lr=0.1) and an empty
+    sweep folder: (the sweep file, the sweep folder)."""
+    from raysim.results.published import RECORD
 
     f = tmp_path / "table.yaml"
     f.write_text(SWEEP)
@@ -360,9 +362,16 @@ def test_the_tuned_column_and_the_sweeps_tuning_csv_kept_beside_runs_csv(tmp_pat
         w = csv.DictWriter(out, RECORD)
         w.writeheader()
         w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "tuned": "lr=0.1",
-                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000"})  # a recorded run keeps its own
+                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000", **more})
     sweep_dir = tmp_path / "runs" / "t"
     sweep_dir.mkdir(parents=True)
+    return f, sweep_dir
+
+
+def test_the_tuned_column_and_the_sweeps_tuning_csv_kept_beside_runs_csv(tmp_path):
+    from raysim.results.published import write_doc
+
+    f, sweep_dir = _one_recorded_run(tmp_path)  # a recorded run keeps its own tuned point
     (sweep_dir / "tuning.csv").write_text("setting,algorithm,point,score,chosen\n"
                                           "digits,fedavg,lr=0.01,0.3,0\ndigits,fedavg,lr=0.1,0.6,1\n")
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
@@ -425,19 +434,10 @@ def test_a_claim_within_the_seeds_spread_is_a_tie(tmp_path):
 def test_the_header_states_the_regeneration_cost_of_tuning_and_table_runs(tmp_path):
     """The tuning runs' times travel in tuning.csv (wall_seconds); a row scored from a recorded
     tuning.csv keeps the time recorded with it; the header adds them to the table's runs'."""
-    from raysim.results.published import RECORD, write_doc
+    from raysim.results.published import write_doc
     from raysim.tuning import merge_tuned
 
-    f = tmp_path / "table.yaml"
-    f.write_text(SWEEP)
-    (tmp_path / "results").mkdir()
-    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
-        w = csv.DictWriter(out, RECORD)
-        w.writeheader()
-        w.writerow({"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "tuned": "lr=0.1",
-                    "model_sha256": "ab" * 32, "accuracy_curve": "1:0.4000 2:0.5000", "wall_seconds": "1800"})
-    sweep_dir = tmp_path / "runs" / "t"
-    sweep_dir.mkdir(parents=True)
+    f, sweep_dir = _one_recorded_run(tmp_path, wall_seconds="1800")
     (sweep_dir / "tuning.csv").write_text("setting,algorithm,point,score,chosen,wall_seconds\n"
                                           "digits,fedavg,lr=0.01,0.3,0,3600\ndigits,fedavg,lr=0.1,0.6,1,5400\n")
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
