@@ -106,14 +106,17 @@ def point_suffix(overrides: list[str]) -> str:
 def score(run_dir: Path, judge: str, last: int) -> float | None:
     """A tuning run's score: the mean of its last `last` evaluations of the judged accuracy
     (own: personal_accuracy, else local_accuracy, else accuracy; global: accuracy; balanced:
-    the global model's per-class accuracy averaged over the classes its test set holds); None
+    the global model's per-class accuracy averaged over the classes its test set holds), or of
+    the model made after the last round where there is one (CCVR's calibrated model); None
     for a run that diverged, failed or has not finished (it never wins)."""
     summary = run_dir / "summary.json"
     if not summary.is_file():
         return None
-    status = json.loads(summary.read_text()).get("status")
-    if status not in (None, "finished"):
+    record = json.loads(summary.read_text())
+    if record.get("status") not in (None, "finished"):
         return None
+    if record.get("after_training"):  # a model made after the last round (CCVR's calibration) is the result
+        return _after_training_score(record, judge)
     import pyarrow.parquet as pq
 
     table = pq.read_table(run_dir / "metrics.parquet")
@@ -133,6 +136,19 @@ def score(run_dir: Path, judge: str, last: int) -> float | None:
             if values:
                 return sum(values[-last:]) / len(values[-last:])
     return None
+
+
+def _after_training_score(record: dict, judge: str) -> float | None:
+    """The score of a run whose reported model is made after its last round (the first of its
+    summary's `after_training` models, as the run's final accuracy is): that model's accuracy,
+    as the table reads the run; the rounds' evaluations are of another model."""
+    if judge == "balanced":
+        per_class = next(iter(record["after_training"].values())).get("per_class_accuracy")
+        held = [c for c, n in enumerate(record.get("test_class_counts") or []) if n > 0]
+        return sum(per_class[c] for c in held) / len(held) if per_class and held else None
+    keys = ["final_personal_accuracy", "final_local_accuracy", "final_accuracy"] if judge == "own" else \
+        ["final_accuracy"]
+    return next((record[k] for k in keys if record.get(k) is not None), None)
 
 
 def choose(scores: dict[str, float | None]) -> str | None:

@@ -46,6 +46,26 @@ def test_choose_takes_the_best_score_never_a_failed_run_and_the_first_on_a_tie()
     assert choose({"a": None}) is None
 
 
+def test_a_run_whose_model_is_made_after_the_last_round_is_scored_by_that_model(tmp_path):
+    """CCVR reports its calibrated model, made after the rounds; its tuning judged the rounds'
+    evaluations (FedAvg's model), so its score equalled FedAvg's to every digit."""
+    import pyarrow as pa
+
+    run = tmp_path / "run"
+    run.mkdir()
+    pq.write_table(pa.table({"round": [1, 2, 3], "accuracy": [0.5, 0.6, 0.7], "local_accuracy": [0.5, 0.6, 0.7],
+                             "per_class_accuracy": [[0.5, 0.5, 0.0]] * 3}), run / "metrics.parquet")
+    (run / "summary.json").write_text(json.dumps({
+        "status": "finished", "final_accuracy": 0.8, "final_local_accuracy": 0.75, "test_class_counts": [5, 3, 0],
+        "after_training": {"calibrated": {"accuracy": 0.8, "per_class_accuracy": [0.9, 0.6, 0.0]}}}))
+    assert score(run, "global", 3) == 0.8 and score(run, "own", 3) == 0.75
+    assert score(run, "balanced", 3) == pytest.approx(0.75)  # classes 0 and 1, the ones the set holds
+    summary = json.loads((run / "summary.json").read_text())
+    del summary["after_training"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert score(run, "global", 2) == pytest.approx(0.65) and score(run, "balanced", 3) == pytest.approx(0.5)
+
+
 def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise(ray_local, tmp_path):
     from raysim.run import main as run
     from raysim.sweep import main as sweep
