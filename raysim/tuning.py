@@ -122,12 +122,11 @@ def score(run_dir: Path, judge: str, last: int) -> float | None:
     table = pq.read_table(run_dir / "metrics.parquet")
     names = table.column_names
     if judge == "balanced":  # the mean over the classes the (validation) test set holds
-        counts = json.loads(summary.read_text()).get("test_class_counts")
-        if counts is None or "per_class_accuracy" not in names:
+        counts = record.get("test_class_counts")
+        if not any(counts or []) or "per_class_accuracy" not in names:
             return None
-        held = [c for c, n in enumerate(counts) if n > 0]
         rows = [r for r in table.column("per_class_accuracy").to_pylist() if r is not None]
-        values = [sum(r[c] for c in held) / len(held) for r in rows]
+        values = [held_mean(r, counts) for r in rows]
         return sum(values[-last:]) / len(values[-last:]) if values else None
     order = ["personal_accuracy", "local_accuracy", "accuracy"] if judge == "own" else ["accuracy"]
     for key in order:
@@ -138,14 +137,19 @@ def score(run_dir: Path, judge: str, last: int) -> float | None:
     return None
 
 
+def held_mean(per_class: list, counts: list | None) -> float | None:
+    """Per-class accuracy averaged over the classes the (validation) test set holds."""
+    held = [c for c, n in enumerate(counts or []) if n > 0]
+    return sum(per_class[c] for c in held) / len(held) if held else None
+
+
 def _after_training_score(record: dict, judge: str) -> float | None:
     """The score of a run whose reported model is made after its last round (the first of its
     summary's `after_training` models, as the run's final accuracy is): that model's accuracy,
     as the table reads the run; the rounds' evaluations are of another model."""
     if judge == "balanced":
         per_class = next(iter(record["after_training"].values())).get("per_class_accuracy")
-        held = [c for c, n in enumerate(record.get("test_class_counts") or []) if n > 0]
-        return sum(per_class[c] for c in held) / len(held) if per_class and held else None
+        return held_mean(per_class, record.get("test_class_counts")) if per_class else None
     keys = ["final_personal_accuracy", "final_local_accuracy", "final_accuracy"] if judge == "own" else \
         ["final_accuracy"]
     return next((record[k] for k in keys if record.get(k) is not None), None)

@@ -95,7 +95,7 @@ def _cost(tuning_csv: Path, cells: set, table_seconds: float) -> str:
     return (f"Regeneration cost: the tuning's {len(rows)} runs took {tuning / 3600:.1f} h of run time"
             + (f" ({untimed} of them without a recorded time)" if untimed else "")
             + f", the table's runs {table_seconds / 3600:.1f} h: {(tuning + table_seconds) / 3600:.1f} h in all, "
-            "about half that in wall time at the sweep's two points at a time on a 2-core machine.")
+            "in wall time that divided by the points the sweep ran at once (two on a 2-core machine).")
 
 
 def _merge_tuning(here: Path, recorded: Path) -> None:
