@@ -20,7 +20,7 @@ any algorithm (`selection=fedentopt algorithm=scaffold`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -353,7 +353,7 @@ class Selection:
         self.num_classes = num_classes
         # the clients there this round (clients that join late are not, before their round:
         # world/availability.py); the server sets it before each `select`
-        self.available: list[int] = list(range(num_clients))
+        self.available: Sequence[int] = range(num_clients)  # a range or a sorted list: read it, never change it
 
     def setup(self, server: Server) -> None:
         pass

@@ -83,7 +83,8 @@ def _local(args, say) -> int:
 
             check_path(args.plot)
         data, part, n_classes = prepare(cfg)
-        print(label_table(data.y_train, part, n_classes))
+        many = data.population is not None and len(data.population) > 10_000  # made when picked: the first 1,000
+        print(label_table(data.y_train, part, n_classes, max_rows=1000 if many else 0))
         if args.plot is not None:
             from raysim.data.partition import label_counts
             from raysim.experiment import describe_partition

@@ -31,7 +31,7 @@ def test_weighted_accuracy_is_total_correct_over_total_local_samples():
     # client 2: samples 4, 5, 6, 7 -> served by the flipped model: predictions 0, 1, 0, 1: 0 of 4
     # client 3: no local test data
     t = LocalTests(x, y, [np.array([0, 1, 2]), np.array([3]), np.array([4, 5, 6, 7]), np.array([], dtype=int)], torch.from_numpy)
-    assert t.cids == [0, 1, 2]
+    assert list(t.cids) == [0, 1, 2]
     metrics, per_client = t.evaluate({"a": Pick(), "b": Pick(flip=True)}, {"a": [0, 1], "b": [2, 3]})
     assert per_client == pytest.approx({0: 2 / 3, 1: 0.0, 2: 0.0})
     assert metrics["local_accuracy"] == pytest.approx(2 / 8)  # total correct / total local samples

@@ -32,6 +32,8 @@ from raysim.registry import DATASETS
 if TYPE_CHECKING:  # torch is imported where images are decoded, not by every loader's caller
     import torch
 
+    from raysim.data.population import Population
+
 
 @dataclass
 class FederatedData:
@@ -49,6 +51,8 @@ class FederatedData:
     pixel_max: Optional[float] = None  # images: x_* hold uint8 pixels in [0, pixel_max]
     label_source: Optional[tuple] = None  # (train, test): the files (or column) the labels came from, for messages
     stored: Optional[dict] = None  # data_store=files: the manifest of the files x_train / y_train map (data/store.py)
+    global_test: Optional[np.ndarray] = None  # rows of x_test that make the global test set (None: all of them)
+    population: Optional["Population"] = None  # users made when picked: x_train / y_train are its LazyRows
 
     def __post_init__(self) -> None:
         """Every loader's files, a plugin's arrays: samples and labels pair up, and every
@@ -59,6 +63,8 @@ class FederatedData:
             if len(x) != len(y):
                 raise ConfigError(f"dataset {self.name!r}: its {split} files hold {len(x):,} samples but {len(y):,} "
                                   "labels; they must come from the same copy of the dataset: fetch it again")
+            if self.population is not None and split == "train":  # made when picked: checked as they are made
+                continue
             check_labels(self.name, np.asarray(y), int(self.num_classes),
                          self.label_source[i] if self.label_source else f"its {split} labels")
 
@@ -437,8 +443,11 @@ class SyntheticOptions(Options):
     max_samples_per_client: int = option(0, at_least=0)  # > samples_per_client: sizes uniform in [samples_per_client, this];
     # with samples_per_client 0: a cap on FedProx's log-normal sizes
     test_fraction: float = option(0.2, above=0, below=1)  # each user's share held out for the global test set
-    generate: str = option("all", choices=("all", "per_user"))  # all: one stream for every user | per_user: user k's
-    # model and samples from its own stream (seed, 7, k), so a client's data can be made alone, when it is picked
+    generate: str = option("all", choices=("all", "per_user", "lazy"))  # all: one stream for every user | per_user:
+    # user k's model and samples from its own stream (seed, 7, k), made all at start | lazy: the same, each user
+    # made when it is picked (data/population.py): millions of users hold a few bytes each
+    test_users: int = option(0, at_least=0)  # the global test set: the test splits of this many users drawn from
+    # the seed (0: every user's); each user's own split is still its local test data
 
     def check(self, cfg, section: str) -> None:
         if cfg.input_scale != "standardize":
@@ -447,6 +456,22 @@ class SyntheticOptions(Options):
         if self.max_samples_per_client and self.max_samples_per_client <= self.samples_per_client:
             raise ConfigError(f"synthetic.max_samples_per_client={self.max_samples_per_client} must be above "
                               f"synthetic.samples_per_client={self.samples_per_client} (0: every client the same)")
+        if self.test_users > int(cfg.num_clients):
+            raise ConfigError(f"synthetic.test_users={self.test_users} is more than the {cfg.num_clients} users "
+                              "(num_clients); allowed: 0 (every user's test split) .. num_clients")
+        if self.generate == "lazy":
+            if cfg.partition.name != "natural":
+                raise ConfigError(f"synthetic.generate=lazy makes each user's own samples when it is picked, so its "
+                                  f"partition is the users': set partition.name=natural (not {cfg.partition.name!r})")
+            if cfg.long_tail.imbalance > 1 or cfg.eval.validation > 0:
+                what = "long_tail.imbalance" if cfg.long_tail.imbalance > 1 else "eval.validation"
+                raise ConfigError(f"{what} reshapes the whole training set, which synthetic.generate=lazy never "
+                                  "holds: use synthetic.generate=per_user")
+            if not self.test_users and int(cfg.num_clients) > 100_000:
+                raise ConfigError(f"synthetic.generate=lazy with {cfg.num_clients} users: the global test set would "
+                                  "be every user's test split; set synthetic.test_users (e.g. 1000) to test on a "
+                                  "sample of users")
+            return
         Synthetic.check_memory(cfg)
 
 
@@ -514,16 +539,35 @@ class Synthetic:
         return x, np.argmax(x @ w + b, axis=1).astype(np.int64)
 
     @staticmethod
+    def test_users(cfg: DictConfig) -> Optional[np.ndarray]:
+        """The users whose test splits make the global test set (sorted), or None for all."""
+        k = int(cfg.synthetic.test_users)
+        if not k:
+            return None
+        return np.sort(np.random.default_rng([int(cfg.seed), 8]).choice(int(cfg.num_clients), k, replace=False))
+
+    @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
         s = cfg.synthetic
         n_users, d, c = int(cfg.num_clients), int(s.dim), int(s.num_classes)
         rng = np.random.default_rng([cfg.seed, 7])
         sizes = Synthetic.sizes(cfg, rng)
+        if s.generate == "lazy":
+            from omegaconf import OmegaConf
+
+            from raysim.data.population import LazyRows, Population
+
+            plain = {"seed": int(cfg.seed), "synthetic": OmegaConf.to_container(s)}
+            pop = Population("synthetic", plain, sizes, (sizes * float(s.test_fraction)).astype(np.int64), c, (d,))
+            users = Synthetic.test_users(cfg)
+            x_test, y_test, owners = pop.tests(np.arange(n_users) if users is None else users)
+            return FederatedData("synthetic", LazyRows(pop, "x"), LazyRows(pop, "y"), x_test, y_test, c,
+                                 users_test=owners, population=pop)
         if s.generate == "per_user":
             made = [Synthetic.user(cfg, k, sizes[k]) for k in range(n_users)]
             x = np.concatenate([m[0] for m in made]) if made else np.zeros((0, d), np.float32)
             y = np.concatenate([m[1] for m in made]) if made else np.zeros(0, np.int64)
-            return Synthetic._split(x, y, sizes, float(s.test_fraction), c)
+            return Synthetic._split(x, y, sizes, float(s.test_fraction), c, Synthetic.test_users(cfg))
         sigma = np.arange(1, d + 1, dtype=np.float64) ** -1.2
         u = rng.normal(0, s.alpha, n_users)
         b_mean = rng.normal(0, s.beta, n_users)
@@ -540,17 +584,21 @@ class Synthetic:
         for k in range(n_users):  # labels from each user's own model
             lo = ends[k] - sizes[k]
             y[lo:ends[k]] = np.argmax(x[lo:ends[k]] @ w32[k] + b[k], axis=1)
-        return Synthetic._split(x, y, sizes, float(s.test_fraction), c)
+        return Synthetic._split(x, y, sizes, float(s.test_fraction), c, Synthetic.test_users(cfg))
 
     @staticmethod
-    def _split(x: np.ndarray, y: np.ndarray, sizes: np.ndarray, test_fraction: float, c: int) -> FederatedData:
-        """Users' samples in user order: each user's last `test_fraction` go to the test set."""
+    def _split(x: np.ndarray, y: np.ndarray, sizes: np.ndarray, test_fraction: float, c: int,
+               test_users: Optional[np.ndarray] = None) -> FederatedData:
+        """Users' samples in user order: each user's last `test_fraction` go to the test set
+        (of which `test_users`' make the global one, when given)."""
         owner = np.repeat(np.arange(len(sizes)), sizes)
         ends = np.cumsum(sizes)
         n_test = (sizes * test_fraction).astype(int)
         is_test = (np.arange(len(owner)) - (ends - sizes)[owner]) >= (sizes - n_test)[owner]
+        users_test = owner[is_test]
+        chosen = None if test_users is None else np.flatnonzero(np.isin(users_test, test_users))
         return FederatedData("synthetic", x[~is_test], y[~is_test], x[is_test], y[is_test], c,
-                             users_train=owner[~is_test], users_test=owner[is_test])
+                             users_train=owner[~is_test], users_test=users_test, global_test=chosen)
 
 
 def num_classes(cfg: DictConfig) -> int:

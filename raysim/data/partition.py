@@ -23,12 +23,24 @@ class Shards(Sequence):
     `order[offsets[c]:offsets[c + 1]]` (a view). 8 bytes per client and 8 per sample, and no
     Python object per client, so a partition of millions of clients is two arrays to hold and
     to send to the client actors (a list of one array per client: ~100 bytes each, and as
-    many objects to pickle; issue 73)."""
+    many objects to pickle; issue 73). `order` None: each client's rows are consecutive, in
+    client order (`contiguous`: a population made when picked, data/population.py), and only
+    the offsets are held."""
 
-    __slots__ = ("order", "offsets")
+    __slots__ = ("_order", "offsets")
 
-    def __init__(self, order: np.ndarray, offsets: np.ndarray):
-        self.order, self.offsets = order, offsets
+    def __init__(self, order: Optional[np.ndarray], offsets: np.ndarray):
+        self._order, self.offsets = order, offsets
+
+    @classmethod
+    def contiguous(cls, offsets: np.ndarray) -> "Shards":
+        """Client c's rows are offsets[c]:offsets[c + 1]: no index array at all."""
+        return cls(None, np.asarray(offsets, dtype=np.int64))
+
+    @property
+    def order(self) -> np.ndarray:
+        """Every client's rows, client after client (made, for contiguous shards)."""
+        return np.arange(int(self.offsets[-1]), dtype=np.int64) if self._order is None else self._order
 
     @classmethod
     def of(cls, parts) -> "Shards":
@@ -51,7 +63,9 @@ class Shards(Sequence):
             c += len(self)
         if not 0 <= c < len(self):
             raise IndexError(f"client {c} of {len(self)}")
-        return self.order[self.offsets[c]:self.offsets[c + 1]]
+        if self._order is None:
+            return np.arange(self.offsets[c], self.offsets[c + 1], dtype=np.int64)
+        return self._order[self.offsets[c]:self.offsets[c + 1]]
 
     def sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
@@ -61,7 +75,7 @@ class Shards(Sequence):
         return np.repeat(np.arange(len(self), dtype=np.int64), self.sizes())
 
     def __reduce__(self):
-        return Shards, (self.order, self.offsets)
+        return Shards, (self._order, self.offsets)
 
 
 @dataclass
@@ -320,7 +334,11 @@ def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Opti
 
 def label_counts(y: np.ndarray, part: Partition, num_classes: int) -> np.ndarray:
     """(num_clients, num_classes) matrix of training-label counts (one bincount over every
-    sample, not one per client)."""
+    sample, not one per client; a population made when picked makes its users for it)."""
+    from raysim.data.population import is_lazy
+
+    if is_lazy(y) is not None:
+        return is_lazy(y).label_counts(range(len(part.train)))
     shards = part.train
     flat = shards.owners() * num_classes + np.asarray(y)[shards.order]
     return np.bincount(flat, minlength=len(shards) * num_classes).reshape(len(shards), num_classes)
@@ -336,7 +354,16 @@ def label_entropy(counts: np.ndarray) -> np.ndarray:
 
 
 def label_table(y: np.ndarray, part: Partition, num_classes: int, max_rows: int = 0) -> str:
-    """Human-readable per-client label-count table."""
+    """Human-readable per-client label-count table (a population made when picked: its first
+    `max_rows` users only, made for it)."""
+    from raysim.data.population import is_lazy
+
+    pop = is_lazy(y)
+    if pop is not None and 0 < max_rows < len(pop):
+        counts = pop.label_counts(range(max_rows))
+        head = "client" + "".join(f"{c:>6}" for c in range(num_classes)) + f"{'total':>8}"
+        rows = [head] + [f"{i:>6}" + "".join(f"{v:>6}" for v in row) + f"{row.sum():>8}" for i, row in enumerate(counts)]
+        return "\n".join(rows + [f"... ({len(pop) - max_rows:,} more users, made when picked: not listed)"])
     counts = label_counts(y, part, num_classes)
     w = max(5, len(str(counts.max())) + 1)
     head = "client" + "".join(f"{c:>{w}}" for c in range(num_classes)) + f"{'total':>8}"

@@ -51,6 +51,7 @@ class ClientRunner:
         gpu = not here and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = torch.device("cuda" if gpu else "cpu")
         self.x = None
+        self.population = None
         self._reader = None  # data_store=files: the thread that reads the next client's rows (_read_ahead)
         _warm_up(self.device)
 
@@ -65,7 +66,13 @@ class ClientRunner:
         import_modules(self.cfg.plugins)
         torch.set_num_threads(int(self.cfg.resources.torch_threads))
         arrays, train_index = (self.fetch or ray.get)(data_refs)
-        if "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
+        self.population = arrays.get("population")  # users made when picked (data/population.py)
+        if self.population is not None:
+            from raysim.data.population import LazyRows
+
+            self.x, self.y = LazyRows(self.population, "x"), None
+            shape = self.population.input_shape
+        elif "folder" in arrays:  # data_store=files: the manifest; a client's rows are read when it trains
             from raysim.data import replicate, store
 
             arrays = replicate.on_this_host(arrays)  # copied here first if this host does not see the folder
@@ -189,7 +196,7 @@ class ClientRunner:
         """With data in files: each part's inputs read from them (`Rows.take`) on a thread of
         its own, the next part's while this one trains (I/O under compute: the 30 GB set of
         issue 42, cold, measured); two parts read at most. Yields None per part otherwise."""
-        if isinstance(self.x, torch.Tensor):
+        if isinstance(self.x, torch.Tensor) or self.population is not None:
             yield from (None for _ in parts)
             return
         if self._reader is None:
@@ -207,7 +214,11 @@ class ClientRunner:
 
     def _rows(self, rows: np.ndarray, raw: Optional[np.ndarray] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Training samples `rows`, decoded, on the device: gathered from the arrays this actor
-        holds, or (`data_store=files`) those `_read_ahead` read from the files (`raw`)."""
+        holds, or (`data_store=files`) those `_read_ahead` read from the files (`raw`), or made
+        (a population made when picked)."""
+        if self.population is not None:
+            x, y = self.population.rows(rows)
+            return model_inputs(torch.from_numpy(x).to(self.device), *self.pixels), torch.from_numpy(y).to(self.device)
         x = self.x[torch.from_numpy(rows).to(self.x.device)] if raw is None else torch.from_numpy(raw)
         y = self.y[torch.from_numpy(rows).to(self.y.device)]
         return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)

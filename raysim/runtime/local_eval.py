@@ -28,7 +28,7 @@ class LocalTests:
     def __init__(self, x: np.ndarray, y: np.ndarray, test_index: list, inputs, batch_size: int = 1024):
         sizes = np.array([len(ix) for ix in test_index], dtype=np.int64)
         self.sizes = sizes
-        self.cids = [int(c) for c in np.flatnonzero(sizes)]  # clients with a local test sample
+        self.cids = np.flatnonzero(sizes)  # clients with a local test sample
         index = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in test_index])
         self.owner = np.repeat(np.arange(len(test_index)), sizes)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # client c's rows: starts[c]:starts[c + 1]
@@ -39,17 +39,23 @@ class LocalTests:
     def evaluate(self, models: dict, serving: dict) -> tuple[dict, dict[int, float]]:
         """`serving`: model name -> client ids. Returns the round's metrics and each served
         client's accuracy."""
-        correct = np.zeros(len(self.sizes), dtype=np.float64)
-        served = np.zeros(len(self.sizes), dtype=bool)
+        return self.spread("local_accuracy", self._served(models, serving, self.x, self.y, self.owner))
+
+    def _served(self, models: dict, serving: dict, x: torch.Tensor, y: torch.Tensor, owner: np.ndarray) -> dict:
+        """Each served client's correct count, from the test rows `x`, `y` of the clients `owner`
+        (in client order): one pass per model over the rows of the clients it serves."""
+        correct: dict[int, float] = {}
         for name, cids in serving.items():
-            mask = np.isin(self.owner, np.asarray(list(cids), dtype=np.int64))
+            cids = np.asarray(list(cids), dtype=np.int64)
+            mask = np.isin(owner, cids)
             if not mask.any():
                 continue
-            served[np.asarray(list(cids), dtype=np.int64)] = True
             rows = torch.from_numpy(np.flatnonzero(mask))
-            hit = self._hits(models[name], self.x[rows], self.y[rows])
-            correct += np.bincount(self.owner[mask], weights=hit, minlength=len(self.sizes))
-        return self.spread("local_accuracy", {c: correct[c] for c in self.cids if served[c]})
+            hit = self._hits(models[name], x[rows], y[rows])
+            mine, where = np.unique(owner[mask], return_inverse=True)
+            for c, n in zip(mine.tolist(), np.bincount(where, weights=hit, minlength=len(mine)).tolist()):
+                correct[c] = correct.get(c, 0.0) + n
+        return {c: correct[c] for c in sorted(correct) if self.sizes[c] > 0}
 
     def spread(self, name: str, correct: dict[int, float]) -> tuple[dict, dict[int, float]]:
         """From each client's correct count: the metrics `name` (total correct / total test
@@ -85,6 +91,29 @@ class LocalTests:
         return np.concatenate(out).astype(np.float64)
 
 
+class MadeTests(LocalTests):
+    """The users' own test splits of a population made when picked (data/population.py):
+    made for the clients evaluated, when they are (`eval.local_clients` a round), never all
+    at once. The same rows in the same order as `LocalTests` over the materialised users,
+    so the same metrics, bit for bit."""
+
+    def __init__(self, population, inputs, batch_size: int = 1024):
+        self.population, self.inputs, self.batch_size = population, inputs, batch_size
+        self.sizes = population.test_sizes
+        every = bool((self.sizes > 0).all())
+        self.cids = range(len(self.sizes)) if every else np.flatnonzero(self.sizes)
+
+    def evaluate(self, models: dict, serving: dict) -> tuple[dict, dict[int, float]]:
+        clients = sorted({int(c) for cids in serving.values() for c in cids})
+        x, y, owner = self.population.tests(clients)
+        return self.spread("local_accuracy", self._served(models, serving, self.inputs(x), torch.from_numpy(y), owner))
+
+    def hits(self, model: torch.nn.Module, cid: int, state: dict) -> int:
+        model.load_state_dict(state)
+        x, y = self.population.test(cid)
+        return int(self._hits(model, self.inputs(x), torch.from_numpy(y)).sum())
+
+
 def local_tests(x: np.ndarray, y: np.ndarray, test_index: Optional[list], inputs) -> Optional[LocalTests]:
     """The clients' local test sets, or None when the partition made none."""
     if not test_index or not any(len(ix) for ix in test_index):
@@ -98,6 +127,8 @@ def clients_test_data(data, part, cfg) -> Optional[LocalTests]:
     splits the papers evaluate on), those, always (`partition.test_fraction` then carves
     nothing: experiment.prepare); else the split `partition.test_fraction` carves from each
     client's training samples. None when clients have no test data of their own."""
+    if data.population is not None:
+        return MadeTests(data.population, data.inputs)
     if cfg.partition.name == "natural" and data.users_test is not None:
         return local_tests(data.x_test, data.y_test, split_by_owner(data.users_test, int(cfg.num_clients)), data.inputs)
     if part.test is not None:

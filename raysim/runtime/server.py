@@ -99,8 +99,11 @@ class FederatedServer:
             self.cfg.privacy.noise_multiplier = self.accountant.noise_multiplier
         arrays = {"x_train": data.x_train, "y_train": data.y_train}
         files = None
-        where = "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values()))
-        if where == "memory":  # a stored array the loader did not read (an Arrow cache's): read now
+        where = ("population" if data.population is not None else
+                 "files" if data.stored else store.choose(self.cfg, sum(a.nbytes for a in arrays.values())))
+        if where == "population":  # users made when picked (data/population.py): the actors get its sizes
+            arrays = {"population": data.population}
+        elif where == "memory":  # a stored array the loader did not read (an Arrow cache's): read now
             arrays = {k: np.asarray(v) for k, v in arrays.items()}
         else:  # written once, read by every process: data/store.py
             files = data.stored or store.put(arrays, store.root(self.cfg))  # made there already, or written now
@@ -108,7 +111,8 @@ class FederatedServer:
             data = dataclasses.replace(data, x_train=arrays["x_train"], y_train=arrays["y_train"], stored=files)
         self._shared = [OmegaConf.to_container(self.cfg), arrays if files is None else files, part.train,
                         num_classes, data.norm, data.pixel_max, self.sizes]
-        self.x_test, self.y_test = data.inputs(data.x_test.copy()), torch.from_numpy(data.y_test.copy())
+        tested = slice(None) if data.global_test is None else data.global_test  # synthetic.test_users: a sample's
+        self.x_test, self.y_test = data.inputs(data.x_test[tested].copy()), torch.from_numpy(data.y_test[tested].copy())
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         unshared = ALGORITHMS.get(self.cfg.algorithm).unshared
         if (int(self.cfg.eval.finetune_epochs) > 0 or unshared) and self.local_tests is None:
@@ -119,18 +123,20 @@ class FederatedServer:
             raise ConfigError(f"{why} tested on each client's own test data, and these clients have none: set "
                               "partition.test_fraction (e.g. 0.2)")
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
-        self.true_counts = label_counts(data.y_train, part, num_classes)  # for cohort metrics only
+        self.true_counts = (label_counts(data.y_train, part, num_classes) if data.population is None else
+                            data.population.label_counts)  # for cohort metrics only; made per cohort when made per user
         # long-tailed data: accuracy on the many / medium / few-shot classes (data/long_tail.py)
         self.shots = (shot_groups(np.bincount(data.y_train, minlength=num_classes), self.cfg.eval.shots)
                       if self.cfg.long_tail.imbalance > 1 else None)
-        self.test_counts = np.bincount(data.y_test, minlength=num_classes)
+        self.test_counts = np.bincount(self.y_test.numpy(), minlength=num_classes)
         self.num_clients = int(self.cfg.num_clients)
         self.availability = Availability(self.cfg, self.num_clients)
         self.system = SystemEffects(self.cfg, self.num_clients)
         self.adversaries = Adversaries(self.cfg, self.num_clients)  # who attacks, for the record
         self.num_classes = num_classes
         self.input_shape = data.input_shape
-        self.data_bytes = int(data.x_train.nbytes + data.y_train.nbytes)
+        self.data_bytes = int(data.x_train.nbytes + data.y_train.nbytes) if data.population is None else 0
+        self.population = data.population
         self.files = files
         if self.dispatch is None:
             needs_ray = self._where_clients_train(data, part)
@@ -187,6 +193,10 @@ class FederatedServer:
                            + (f"files under {files['folder']}" if files else
                               "Ray's object store" if store_bytes else "this process")
                            + f" (data_store={self.cfg.data_store})")
+        if self.population is not None:
+            self.data_where = (f"training data: made when a client is picked ({len(self.population):,} users, "
+                               f"{self.population.n_train:,} training samples; {self.population.nbytes() / 2**20:.0f} "
+                               "MB of sizes held)")
         return {"actors": self.dispatch.n_actors, "needs": self.dispatch.needs, "notice": self.store_notice,
                 "data_bytes": self.data_bytes if files is None else 0,  # what the object store holds of the data
                 "store_bytes": float(store_bytes), "here": self.dispatch.ray is not ray,
@@ -267,11 +277,14 @@ class FederatedServer:
         """The clients evaluated on their own test splits in round `rnd`: every one there that
         has a split, or `eval.local_clients` of them drawn without replacement (the server's
         stream 11 of the round: the same sample for any number of actors)."""
-        cids = [c for c in self.local_tests.cids if self.availability.there(c, rnd)]
+        cids = self.local_tests.cids
+        if self.availability.joins is not None:
+            there = np.asarray(cids, dtype=np.int64)
+            cids = there[self.availability.joins[there] <= rnd]
         k = int(self.cfg.eval.local_clients)
-        if 0 < k < len(cids):
-            cids = sorted(int(c) for c in self.rng(rnd, 11).choice(np.asarray(cids), k, replace=False))
-        return cids
+        if 0 < k < len(cids):  # positions drawn, then taken: rng.choice(cids, k)'s draw, without listing range(N)
+            return sorted(int(cids[int(i)]) for i in self.rng(rnd, 11).choice(len(cids), k, replace=False))
+        return [int(c) for c in cids]
 
     def evaluates(self, rnd: int) -> bool:
         """Whether round `rnd` ends with an evaluation: every `eval_every` rounds, and the last."""
@@ -395,7 +408,8 @@ class FederatedServer:
             row["epsilon"] = self.accountant.after_round(rnd, record.rows)
         row.update(self.selection.round_metrics())
         if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
-            cohort = self.true_counts[self._selected].sum(0)
+            cohort = (self.true_counts[self._selected] if isinstance(self.true_counts, np.ndarray) else
+                      self.true_counts(self._selected)).sum(0)
             row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
                         "cohort_labels": int((cohort > 0).sum())})
         # this round's calls (not joins, nor a selection's round-0 uploads for newcomers)

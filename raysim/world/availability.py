@@ -22,31 +22,36 @@ import numpy as np
 class Availability:
     def __init__(self, cfg, num_clients: int):
         j = cfg.clients.join
-        self.joins = np.ones(num_clients, dtype=np.int64)  # the round each client is there from
+        self.everyone = range(num_clients)  # with no newcomers, the clients there: nothing per client is held
+        self.joins = None  # the round each client is there from (newcomers only)
         if j.fraction > 0:
+            self.joins = np.ones(num_clients, dtype=np.int32)
             n_late = max(1, int(round(float(j.fraction) * num_clients)))
             late = np.sort(np.random.default_rng([int(cfg.seed), 6]).choice(num_clients, n_late, replace=False))
             for i, batch in enumerate(np.array_split(late, int(j.over))):
                 self.joins[batch] = int(j.round) + i
-        self.join_rounds = np.unique(self.joins)  # the rounds in which the set of clients there grows
+        self.join_rounds = np.unique(self.joins) if self.joins is not None else np.ones(1, np.int64)
         self._listed: tuple = (None, None)  # (how many join rounds have passed, the list of the clients there)
 
     def available(self, rnd: int) -> list[int]:
         """The clients there in round `rnd`, sorted. The same list object for every round
         until the next clients join (callers read it, never change it): listing 100,000
         clients took ~4 ms a round, ~0.04 ms per update of an asynchronous run's round of
-        100, and asynchronous runs compare it by identity (`InFlight.pick`)."""
+        100, and asynchronous runs compare it by identity (`InFlight.pick`). With no newcomers,
+        a `range` of every client (15 million clients: no list of them, issue 73)."""
+        if self.joins is None:
+            return self.everyone
         passed = int(np.searchsorted(self.join_rounds, rnd, side="right"))
         if self._listed[0] != passed:
             self._listed = (passed, np.flatnonzero(self.joins <= rnd).tolist())
         return self._listed[1]
 
     def there(self, cid: int, rnd: int) -> bool:
-        return bool(self.joins[cid] <= rnd)
+        return self.joins is None or bool(self.joins[cid] <= rnd)
 
     def joining(self, rnd: int) -> list[int]:
         """The newcomers that arrive in round `rnd` (none in round 1: everyone there is)."""
-        return np.flatnonzero(self.joins == rnd).tolist() if rnd > 1 else []
+        return np.flatnonzero(self.joins == rnd).tolist() if rnd > 1 and self.joins is not None else []
 
 
 class SystemEffects:
