@@ -4,7 +4,8 @@ torch loop of throughput.py doing the same work in one process.
 
     python benchmarks/scale.py                              # all of it (~5 min on 2 cores)
     python benchmarks/scale.py --clients 100 1000 --actors 1 2
-    python benchmarks/scale.py --clients --actors --cohort-clients --state-clients   # the FedBuff table alone
+    python benchmarks/scale.py --clients --actors --cohort-clients --state-clients --population-clients  # FedBuff alone
+    python benchmarks/scale.py --clients --actors --cohort-clients --state-clients --async-clients  # made when picked
 
 Every configuration runs as fresh processes (`python -m raysim.run ...` with its own local
 Ray, and the sequential loop), with the summed RSS of each process tree sampled every
@@ -140,6 +141,36 @@ def run_async(n: int) -> dict:
             "updates_per_round": later[0]["clients"], "peak_rss": peak[0]}
 
 
+# issue 73: populations made when picked (synthetic.generate=lazy), 1,000 clients a round, N up to 15 million
+POPULATION = ["dataset=synthetic", "synthetic.samples_per_client=20", "synthetic.generate=lazy",
+              "synthetic.test_users=1000", "partition=natural", "model=mclr", "clients_per_round=1000",
+              "eval.local_clients=100", "local.batch_size=10", "local.lr=0.01", "local.momentum=0", "rounds=6",
+              "eval_every=3"]
+POPULATION_RUNS = {"fedavg": [], "scaffold": ["algorithm=scaffold"],
+                   "fedbuff": ["algorithm=fedbuff", "fedbuff.concurrency=1000", "fedbuff.buffer=1000"]}
+
+
+def run_population(n: int, algorithm: str) -> dict:
+    """One run of `n` users made when picked, with 2 client actors: start-up (process start
+    to round 1), the median round after the first (evaluations excluded), the peak summed
+    RSS of the command, Ray and the actors, the system's used memory over its start, and the
+    clients' state the server kept (SCAFFOLD's: the clients ever picked)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "raysim.run", "--quiet", "resources.ray_start_s=0", *POPULATION,
+               *POPULATION_RUNS[algorithm], f"num_clients={n}", f"output_dir={tmp}", "run_name=r"]
+        r, peak = tp.run_measured(cmd, _env())
+        if r.returncode != 0:
+            raise SystemExit(f"raysim run failed:\n{r.stderr[-3000:]}")
+        d = Path(tmp) / "r"
+        rows = pq.read_table(d / "metrics.parquet").to_pylist()
+        summary = json.loads((d / "summary.json").read_text())
+    first, later = rows[0], rows[1:]
+    return {"startup_seconds": first["elapsed"] - first["seconds"] - (first.get("eval_seconds") or 0.0),
+            "round_seconds": statistics.median(r["seconds"] for r in later), "clients": later[0]["clients"],
+            "peak_rss": peak[0], "system_used": peak[2], "state_gb": summary.get("client_state_gb", 0.0),
+            "states": summary.get("client_states", 0), "accuracy": summary["final_accuracy"]}
+
+
 TEST_DATA = ("x_test", "y_test", "local_tests")  # the evaluation data (global and the clients' own): data
 
 
@@ -186,6 +217,9 @@ def main() -> int:
                    help="N for the server's state by part (bytes per idle client; issue 30)")
     p.add_argument("--async-clients", nargs="*", type=int, default=[1000, 10000, 100000],
                    help="N for FedBuff with 1,000 clients in flight (per-update cost; issue 58)")
+    p.add_argument("--population-clients", nargs="*", type=int, default=[1000, 100000, 1000000, 15000000],
+                   help="N for users made when picked, 1,000 a round (issue 73)")
+    p.add_argument("--population-algorithms", nargs="*", default=list(POPULATION_RUNS), choices=list(POPULATION_RUNS))
     p.add_argument("--sequential", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args()
@@ -267,6 +301,26 @@ def main() -> int:
                   f"{r['peak_rss'] / 2**20:>12.0f}", flush=True)
         print("(ms/update: a round's time over its 100 updates, rounds 2-30, median; server CPU: the server thread's "
               "CPU time in the round, metrics' server_cpu_seconds, over its updates)")
+    if args.population_clients:
+        print("\n== populations made when picked (issue 73): mclr on FedProx Synthetic, synthetic.generate=lazy, 20 "
+              "samples a user, 1,000 a round (FedBuff: 1,000 in flight, a server step per 1,000 arrivals), 6 rounds, "
+              "2 client actors; the global test set 1,000 users' splits, 100 users' own splits a round")
+        print(f"{'algorithm':>9} {'clients':>11} {'start-up s':>11} {'s/round':>8} {'vs first':>9} {'peak RSS MB':>12} "
+              f"{'used MB':>8} {'state GB':>9} {'states':>8}")
+        results["population"] = {}
+        for algorithm in args.population_algorithms:
+            first = None
+            for n in args.population_clients:
+                r = run_population(n, algorithm)
+                results["population"][f"{algorithm}-{n}"] = r
+                first = first or r
+                print(f"{algorithm:>9} {n:>11,} {r['startup_seconds']:>11.1f} {r['round_seconds']:>8.3f} "
+                      f"{r['round_seconds'] / first['round_seconds']:>8.2f}x {r['peak_rss'] / 2**20:>12.0f} "
+                      f"{r['system_used'] / 2**20:>8.0f} {r['state_gb']:>9.3f} {r['states']:>8,}", flush=True)
+        print("(start-up: process start to round 1; s/round: median of rounds 2-6 without evaluation; vs first: "
+              "against the smallest N; used: the system's used memory over its level at the start, Ray included "
+              "but not the object store's shared memory; state: what the server keeps of its clients, the ones "
+              "ever picked)")
     if args.state_clients:
         ns = args.state_clients
         print("\n== the server's state by part after a 2-round cohort run (as above), bytes "

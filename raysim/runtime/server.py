@@ -571,9 +571,11 @@ class FederatedServer:
             summary.update({"dp_epsilon": spent if math.isfinite(spent) else None, "dp_delta": a.delta,
                             "dp_noise_multiplier": a.noise_multiplier, "dp_clip": a.clip})
         states = self.dispatch.states
-        if len(states):
-            self.record.log(f"client states: {len(states)} kept by the server, {states.on_disk} of them on disk "
-                            f"({states.disk_bytes / 2**20:.1f} MB; resources.client_state_gb)")
+        if len(states):  # the clients ever picked, not every client (issue 73)
+            summary.update(client_states=len(states), client_state_gb=(states.memory_held + states.disk_bytes) / 2**30)
+            self.record.log(f"client states: {len(states)} kept by the server ({states.memory_held / 2**30:.3f} GB in memory), "
+                            f"{states.on_disk} of them on disk ({states.disk_bytes / 2**20:.1f} MB; "
+                            "resources.client_state_gb)")
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
         return summary

@@ -115,6 +115,11 @@ class ClientStates:
     def cids(self) -> list[int]:
         return sorted([*self._memory, *self._disk])
 
+    @property
+    def memory_held(self) -> int:
+        """Bytes of the states kept in memory."""
+        return self._held
+
     def nbytes(self, cid: int) -> int:
         """Bytes of client `cid`'s state (0: none)."""
         if cid in self._sizes:
