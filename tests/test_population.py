@@ -112,3 +112,17 @@ def test_a_million_clients_cost_a_few_bytes_each(tmp_path):
     assert per_client < BYTES_PER_CLIENT, f"{per_client:.0f} bytes a client ({small} KB -> {big} KB)"
     summary = json.loads((tmp_path / "n1000000" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["local_eval_clients"] == 100
+
+
+def test_stored_users_one_after_another_are_an_offset_each():
+    """A natural partition of samples stored user after user (LEAF's, Synthetic's) holds one
+    offset per user and no index array; unsorted owners keep their index array. The same shards."""
+    from raysim.data.partition import natural, split_by_owner
+
+    users = np.repeat(np.arange(5), [3, 1, 4, 2, 2])
+    shards = natural(np.zeros(len(users)), 5, None, None, 10, users)
+    assert shards._order is None and shards.offsets.tolist() == [0, 3, 4, 8, 10, 12]
+    assert all(np.array_equal(a, b) for a, b in zip(shards, split_by_owner(users, 5)))
+    mixed = users[::-1].copy()
+    kept = natural(np.zeros(len(users)), 5, None, None, 10, mixed)
+    assert all(np.array_equal(a, b) for a, b in zip(kept, split_by_owner(mixed, 5)))

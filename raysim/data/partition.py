@@ -295,6 +295,9 @@ def natural(y, n, p, rng, num_classes, users=None):
     n_users = int(users.max()) + 1
     if n != n_users:
         raise ConfigError(f"partition 'natural': the dataset has {n_users} users but num_clients={n}")
+    counts = np.bincount(users, minlength=n)
+    if len(users) < 2 or bool((users[1:] >= users[:-1]).all()):  # stored user after user (LEAF's, Synthetic's):
+        return Shards.contiguous(np.concatenate([[0], np.cumsum(counts)]))  # an offset per user, no index array
     return split_by_owner(users, n)
 
 
@@ -308,7 +311,7 @@ def make_partition(y: np.ndarray, cfg: DictConfig, num_classes: int, users: Opti
         raise ConfigError(f"num_clients={n} is more than the {len(y)} training samples of dataset {cfg.dataset!r}")
     rng = np.random.default_rng([int(cfg.seed), 1])
     parts = PARTITIONS.get(p.name)(y, n, p, rng, num_classes, users)
-    sizes = [len(ix) for ix in parts]
+    sizes = parts.sizes().tolist() if isinstance(parts, Shards) else [len(ix) for ix in parts]
     # the dataset's own users are what they are (a LEAF user may hold 5 samples): never empty
     floor = 1 if p.name == "natural" else int(p.min_size)
     small = [i for i, s in enumerate(sizes) if s < floor]
