@@ -19,7 +19,7 @@ Three measurements per workload, each with one torch thread per process:
   with the most work (the two actors run at once, one core each, so a round cannot be
   faster than that actor's arithmetic); the median of 3;
 - plain loop: the same clients one after another in this process (local SGD as
-  throughput.py's `train_plain`, weights folded into a float64 mean); one round.
+  throughput.py's `train_plain`, weights folded into a float64 mean); the median of 3 rounds.
 """
 from __future__ import annotations
 
@@ -132,8 +132,9 @@ def arithmetic(cfg, data, part, n_classes, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def plain_round(cfg, data, part, n_classes) -> float:
-    """One round of the same cohort as a plain per-client loop, in this process."""
+def plain_round(cfg, data, part, n_classes, repeats: int = 3) -> float:
+    """A round of the same cohort as a plain per-client loop, in this process (the median of
+    `repeats` rounds)."""
     import numpy as np
     import torch
 
@@ -147,26 +148,29 @@ def plain_round(cfg, data, part, n_classes) -> float:
     torch.manual_seed(0)
     model = build_model(cfg.model, data.input_shape, n_classes)
     glob = {k: v.clone() for k, v in model.state_dict().items()}
-    t0 = time.perf_counter()
-    acc, total = None, 0
-    for cid in cohort:
-        model.load_state_dict(glob)
-        idx = torch.from_numpy(part.train[cid])
-        xc, yc = data.inputs(x[idx]), y[idx]
-        train_plain(model, xc, yc, cfg.local, torch.Generator().manual_seed(cid))
-        n = len(yc)
-        sd = model.state_dict()
-        acc = {k: v.double() * n for k, v in sd.items()} if acc is None else {k: acc[k] + sd[k].double() * n for k in acc}
-        total += n
-    glob = {k: (v / total).to(glob[k].dtype) for k, v in acc.items()}
-    return time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):  # the median of a few rounds: one round's time varies by 20 % on this machine
+        t0 = time.perf_counter()
+        acc, total = None, 0
+        for cid in cohort:
+            model.load_state_dict(glob)
+            idx = torch.from_numpy(part.train[cid])
+            xc, yc = data.inputs(x[idx]), y[idx]
+            train_plain(model, xc, yc, cfg.local, torch.Generator().manual_seed(cid))
+            n = len(yc)
+            sd = model.state_dict()
+            acc = {k: v.double() * n for k, v in sd.items()} if acc is None else {k: acc[k] + sd[k].double() * n for k in acc}
+            total += n
+        glob = {k: (v / total).to(glob[k].dtype) for k, v in acc.items()}
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--group", type=int, default=250, help="local.vectorize_group")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--group", type=int, default=500, help="local.vectorize_group (500: one group per actor)")
     args = p.parse_args()
     import os
 

@@ -449,12 +449,15 @@ def nbytes(obj) -> int:
 
 
 def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, state: dict,
-               model: torch.nn.Module, epochs: int, transform=None, seed: Optional[int] = None) -> Client:
+               model: torch.nn.Module, epochs: int, transform=None, seed: Optional[int] = None,
+               client_seed: Optional[int] = None) -> Client:
     """Client `cid` in round `rnd` as its code sees it, wherever it runs (a client actor, or
     raysim.testing's in-process server): its data, its state, and every random draw seeded
     from (seed, round, cid): torch's default generator and the client's own generator.
-    `seed`: the run's seed, if the caller has it at hand (reading cfg.seed costs ~25 us)."""
-    seed = seed_for(int(cfg.seed) if seed is None else seed, rnd, cid)
+    `seed`: the run's seed, if the caller has it at hand (reading cfg.seed costs ~25 us);
+    `client_seed`: seed_for(seed, rnd, cid) when the caller made it already (a vectorised
+    group's, `seeds.seeds_for`)."""
+    seed = seed_for(int(cfg.seed) if seed is None else seed, rnd, cid) if client_seed is None else int(client_seed)
     torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
     if x.device.type == "cuda":
         torch.cuda.manual_seed(seed)

@@ -136,3 +136,52 @@ def test_linear_models_take_the_batched_matmul_path_and_others_vmap():
         slow = vmap(lambda p, xb: functional_call(model, p, (xb,)))(params, x)
         assert torch.allclose(fast(params, x), slow, atol=1e-5)
     assert stacked_forward(build_model("cnn", (1, 28, 28), 10)) is None
+
+
+def test_the_cohort_rounds_fast_parts_equal_what_they_replace():
+    """Issue 73's cohort round: each faster part against the code it replaced. Seeds of a
+    group at once (`seeds_for`) equal `seed_for`'s one by one; a group's rows (`Shards.rows`)
+    equal the clients' shards concatenated; a group of equal clients' batches (stacked
+    permutations) equal `batch_schedule`'s client by client; the hand-made cross-entropy
+    gradients of a Linear/ReLU model equal autograd's."""
+    import numpy as np
+
+    from raysim.data.partition import Shards
+    from raysim.seeds import seed_for, seeds_for
+    from raysim.training import cross_entropy_per_sample
+    from raysim.vectorized import batch_schedule, cross_entropy_grads, stack_batches, stacked_forward
+
+    rng = np.random.default_rng(3)
+    cids = rng.integers(0, 2**32 - 1, 40)
+    assert seeds_for(7, 12, cids).tolist() == [seed_for(7, 12, int(c)) for c in cids]
+    assert seeds_for(2**40, 1, [5, 6]).tolist() == [seed_for(2**40, 1, 5), seed_for(2**40, 1, 6)]  # 2 words: slow path
+
+    parts = [rng.permutation(50)[:k] for k in (3, 0, 7, 1, 9)]
+    for shards in (Shards.of(parts), Shards.contiguous(np.array([0, 3, 3, 10, 11, 20]))):
+        pick = [4, 0, 2, 1]
+        assert np.array_equal(shards.rows(pick), np.concatenate([shards[c] for c in pick]))
+
+    class C:  # what stack_batches reads of a client
+        def __init__(self, seed):
+            self.num_samples, self.epochs, self.device = 23, 2, torch.device("cpu")
+            self.generator = torch.Generator().manual_seed(seed)
+
+    index, weight, steps = stack_batches([C(s) for s in range(4)], 5, 0)  # the stacked path: all alike
+    for k in range(4):
+        own = batch_schedule(23, 5, 2, 0, torch.Generator().manual_seed(k))
+        assert torch.equal(torch.where(own >= 0, own, 0) + 23 * k, index[:, k]) and torch.equal(weight[:, k], (own >= 0).float())
+    assert steps == [10] * 4
+
+    for model in (build_model("mclr", (6,), 4), build_model("mlp", (6,), 4)):
+        forward = stacked_forward(model)
+        g = 3
+        params = {n: p.detach().expand(g, *p.shape).clone().mul_(1 + torch.rand(g, *(1,) * p.dim()))
+                  for n, p in model.named_parameters()}
+        xb, yb = torch.randn(g, 5, 6), torch.randint(0, 4, (g, 5))
+        scale = torch.rand(g, 5)
+        losses, grads = cross_entropy_grads(forward, params, xb, yb, scale)
+        live = {n: p.clone().requires_grad_() for n, p in params.items()}
+        want = (cross_entropy_per_sample(forward(live, xb).flatten(0, 1), yb.flatten()).view(g, 5) * scale).sum(1)
+        auto = torch.autograd.grad(want.sum(), list(live.values()))
+        assert torch.allclose(losses, want, atol=1e-6)
+        assert set(grads) == set(live) and all(torch.allclose(grads[n], a, atol=1e-6) for n, a in zip(live, auto))

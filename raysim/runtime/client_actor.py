@@ -28,6 +28,7 @@ from raysim.data.augment import make_transform
 from raysim.data.datasets import model_inputs
 from raysim.registry import ALGORITHMS, SELECTIONS, import_modules
 from raysim.runtime import determinism
+from raysim.seeds import seeds_for
 from raysim.wire import pack, unpack
 from raysim.training import client_method, evaluate, new_client, partial_sum
 from raysim.vectorized import Cohort, group_sum, unstack
@@ -171,7 +172,8 @@ class ClientRunner:
         return tuple(out) if len(out) > 1 else out[0]
 
     def _client(self, rnd: int, cid: int, n_epochs: int, state, x: Optional[torch.Tensor] = None,
-                y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None) -> Client:
+                y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None,
+                client_seed: Optional[int] = None) -> Client:
         """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it; `raw`:
         its inputs read ahead from files), its generator seeded from (seed, round, cid)."""
         if (rnd, cid) == self.crash and not self.redo and not self.here:
@@ -179,17 +181,17 @@ class ClientRunner:
         if x is None:
             x, y = self._rows(np.asarray(self.train_index[cid]), raw)
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
-                          n_epochs, self.transform, self.seed)
+                          n_epochs, self.transform, self.seed, client_seed)
 
     def _cohort(self, rnd: int, part: list[tuple], raw: Optional[np.ndarray] = None) -> Cohort:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
         gathered and decoded once for the group; each client's shard a view of them."""
-        shards = [np.asarray(self.train_index[cid]) for cid, _, _ in part]
-        x, y = self._rows(np.concatenate(shards), raw)
-        clients, at = [], 0
-        for (cid, n_epochs, state), shard in zip(part, shards):
-            clients.append(self._client(rnd, cid, n_epochs, state, x[at:at + len(shard)], y[at:at + len(shard)]))
-            at += len(shard)
+        cids = np.asarray([cid for cid, _, _ in part], dtype=np.int64)
+        x, y = self._rows(_rows_of(self.train_index, cids), raw)
+        sizes = _sizes_of(self.train_index, cids).tolist()
+        xs, ys = torch.split(x, sizes), torch.split(y, sizes)  # every client's view in one call: 10x slicing's speed
+        clients = [self._client(rnd, cid, n_epochs, state, cx, cy, client_seed=seed) for (cid, n_epochs, state), cx, cy, seed
+                   in zip(part, xs, ys, seeds_for(self.seed, rnd, cids).tolist())]
         return Cohort(clients, x, y)
 
     def _read_ahead(self, parts: list[list]):
@@ -203,7 +205,7 @@ class ClientRunner:
             from concurrent.futures import ThreadPoolExecutor
 
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="raysim-read-ahead")
-        rows = [np.concatenate([np.asarray(self.train_index[cid]) for cid, _, _ in part]) for part in parts]
+        rows = [_rows_of(self.train_index, [cid for cid, _, _ in part]) for part in parts]
         ahead = [self._reader.submit(self.x.take, r) for r in rows[:2]]
         for k in range(len(parts)):
             got = ahead[k].result()
@@ -219,8 +221,13 @@ class ClientRunner:
         if self.population is not None:
             x, y = self.population.rows(rows)
             return model_inputs(torch.from_numpy(x).to(self.device), *self.pixels), torch.from_numpy(y).to(self.device)
-        x = self.x[torch.from_numpy(rows).to(self.x.device)] if raw is None else torch.from_numpy(raw)
-        y = self.y[torch.from_numpy(rows).to(self.y.device)]
+        if self.y.device.type == "cpu":  # numpy's take: 2x torch's index_select for a group's 100,000 rows
+            x = torch.from_numpy(np.take(self.x.numpy(), rows, axis=0)) if raw is None else torch.from_numpy(raw)
+            y = torch.from_numpy(np.take(self.y.numpy(), rows))
+        else:
+            index = torch.from_numpy(rows).to(self.y.device)
+            x = self.x.index_select(0, index) if raw is None else torch.from_numpy(raw)
+            y = self.y.index_select(0, index)
         return model_inputs(x.to(self.device), *self.pixels), y.to(self.device)
 
     def probe_memory(self, *args, **kwargs) -> dict:
@@ -273,6 +280,20 @@ class ClientRunner:
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
+
+
+def _rows_of(index, cids) -> np.ndarray:
+    """The training rows of clients `cids`, client after client (`Shards.rows`: no step per client)."""
+    if hasattr(index, "rows"):
+        return index.rows(cids)
+    return np.concatenate([np.asarray(index[c]) for c in cids])
+
+
+def _sizes_of(index, cids) -> np.ndarray:
+    cids = np.asarray(cids, dtype=np.int64)
+    if hasattr(index, "offsets"):
+        return index.offsets[cids + 1] - index.offsets[cids]
+    return np.array([len(index[c]) for c in cids], dtype=np.int64)
 
 
 def _split(items: list, sizes: Optional[list[int]]) -> list[list]:
