@@ -3,6 +3,7 @@ arithmetic alone and against a plain per-client torch loop, side by side in one 
 
     python benchmarks/cohort.py                       # both workloads (about 2 minutes on 2 cores)
     python benchmarks/cohort.py --workloads mclr --rounds 8
+    python benchmarks/cohort.py --workloads mclr-10k --rounds 6 --group 5000   # 10,000 clients a round
 
 Workloads (issue 41's 2-core targets):
 - `mclr`: logistic regression, 2,000 clients of 200 FedProx Synthetic(1,1) training samples,
@@ -39,6 +40,10 @@ WORKLOADS = {
     "mclr": ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.test_fraction=0.2",
              "partition=natural", "model=mclr", "num_clients=2000", "clients_per_round=1000", "local.batch_size=10",
              "local.lr=0.01", "local.momentum=0"],
+    # the same at 10,000 clients a round (issue 73: the ratio held at 10x the cohort)
+    "mclr-10k": ["dataset=synthetic", "synthetic.samples_per_client=250", "synthetic.test_fraction=0.2",
+                 "partition=natural", "model=mclr", "num_clients=20000", "clients_per_round=10000",
+                 "local.batch_size=10", "local.lr=0.01", "local.momentum=0"],
     "cnn": ["plugins=[bench_plugin]", "dataset=bench_images", "bench_images.samples_per_client=8",
             "bench_images.channels=1", "bench_images.size=28", "partition=iid", "partition.min_size=1", "model=cnn",
             "num_clients=1000", "clients_per_round=1000", "local.batch_size=8", "local.lr=0.01", "local.momentum=0.9"],
@@ -168,7 +173,7 @@ def plain_round(cfg, data, part, n_classes, repeats: int = 3) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", default=["mclr", "cnn"], choices=list(WORKLOADS))
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--group", type=int, default=500, help="local.vectorize_group (500: one group per actor)")
     args = p.parse_args()

@@ -450,17 +450,20 @@ def nbytes(obj) -> int:
 
 def new_client(cfg, rnd: int, cid: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, state: dict,
                model: torch.nn.Module, epochs: int, transform=None, seed: Optional[int] = None,
-               client_seed: Optional[int] = None) -> Client:
+               client_seed: Optional[int] = None, seed_torch: bool = True) -> Client:
     """Client `cid` in round `rnd` as its code sees it, wherever it runs (a client actor, or
     raysim.testing's in-process server): its data, its state, and every random draw seeded
     from (seed, round, cid): torch's default generator and the client's own generator.
     `seed`: the run's seed, if the caller has it at hand (reading cfg.seed costs ~25 us);
     `client_seed`: seed_for(seed, rnd, cid) when the caller made it already (a vectorised
-    group's, `seeds.seeds_for`)."""
+    group's, `seeds.seeds_for`). `seed_torch` False: torch's default generator is left as it is
+    (a vectorised group seeds it once, for its last client, as building its clients in turn would
+    leave it)."""
     seed = seed_for(int(cfg.seed) if seed is None else seed, rnd, cid) if client_seed is None else int(client_seed)
-    torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
-    if x.device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+    if seed_torch:
+        torch.random.default_generator.manual_seed(seed)  # torch.manual_seed also walks CUDA: slow
+        if x.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
     return Client(cid=cid, round=rnd, cfg=cfg, x=x, y=y, num_classes=num_classes, device=x.device,
                   generator=torch.Generator().manual_seed(seed), state=state, model=model, epochs=epochs,
                   transform=transform)

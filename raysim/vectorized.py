@@ -166,6 +166,11 @@ def stack_batches(clients: list[Client], batch_size: int, steps: int) -> tuple[t
     if same:  # every client the same size and epochs: its permutations drawn as batch_schedule draws them, stacked
         (n, per_epoch), epochs = per[0], clients[0].epochs
         perms = torch.stack([torch.randperm(n, generator=c.generator) for c in clients for _ in range(epochs)])
+        if n == per_epoch * batch_size:  # no short batch: nothing to pad or mask
+            index = (perms.view(g, -1) + torch.arange(0, g * n, n)[:, None]).view(g, n_steps[0], batch_size)
+            device = clients[0].device
+            return (index.transpose(0, 1).contiguous().to(device),
+                    torch.ones(n_steps[0], g, batch_size, device=device), n_steps)
         index = torch.full((g * epochs, per_epoch * batch_size), -1, dtype=torch.long)
         index[:, :n] = perms
         index = index.view(g, epochs * per_epoch, batch_size)

@@ -173,7 +173,7 @@ class ClientRunner:
 
     def _client(self, rnd: int, cid: int, n_epochs: int, state, x: Optional[torch.Tensor] = None,
                 y: Optional[torch.Tensor] = None, raw: Optional[np.ndarray] = None,
-                client_seed: Optional[int] = None) -> Client:
+                client_seed: Optional[int] = None, seed_torch: bool = True) -> Client:
         """Client `cid` in round `rnd`: its shard (`x`, `y` when the caller has cut it; `raw`:
         its inputs read ahead from files), its generator seeded from (seed, round, cid)."""
         if (rnd, cid) == self.crash and not self.redo and not self.here:
@@ -181,7 +181,7 @@ class ClientRunner:
         if x is None:
             x, y = self._rows(np.asarray(self.train_index[cid]), raw)
         return new_client(self.cfg, rnd, cid, x, y, self.num_classes, unpack(state) if state else {}, self.model,
-                          n_epochs, self.transform, self.seed, client_seed)
+                          n_epochs, self.transform, self.seed, client_seed, seed_torch)
 
     def _cohort(self, rnd: int, part: list[tuple], raw: Optional[np.ndarray] = None) -> Cohort:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
@@ -190,8 +190,10 @@ class ClientRunner:
         x, y = self._rows(_rows_of(self.train_index, cids), raw)
         sizes = _sizes_of(self.train_index, cids).tolist()
         xs, ys = torch.split(x, sizes), torch.split(y, sizes)  # every client's view in one call: 10x slicing's speed
-        clients = [self._client(rnd, cid, n_epochs, state, cx, cy, client_seed=seed) for (cid, n_epochs, state), cx, cy, seed
-                   in zip(part, xs, ys, seeds_for(self.seed, rnd, cids).tolist())]
+        last = len(part) - 1  # torch's default generator: seeded once, for the last client (as in turn it ends so)
+        clients = [self._client(rnd, cid, n_epochs, state, cx, cy, client_seed=seed, seed_torch=i == last)
+                   for i, ((cid, n_epochs, state), cx, cy, seed)
+                   in enumerate(zip(part, xs, ys, seeds_for(self.seed, rnd, cids).tolist()))]
         return Cohort(clients, x, y)
 
     def _read_ahead(self, parts: list[list]):
