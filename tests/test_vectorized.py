@@ -162,15 +162,17 @@ def test_the_cohort_rounds_fast_parts_equal_what_they_replace():
         assert np.array_equal(shards.rows(pick), np.concatenate([shards[c] for c in pick]))
 
     class C:  # what stack_batches reads of a client
-        def __init__(self, seed):
-            self.num_samples, self.epochs, self.device = 23, 2, torch.device("cpu")
+        def __init__(self, seed, n):
+            self.num_samples, self.epochs, self.device = n, 2, torch.device("cpu")
             self.generator = torch.Generator().manual_seed(seed)
 
-    index, weight, steps = stack_batches([C(s) for s in range(4)], 5, 0)  # the stacked path: all alike
-    for k in range(4):
-        own = batch_schedule(23, 5, 2, 0, torch.Generator().manual_seed(k))
-        assert torch.equal(torch.where(own >= 0, own, 0) + 23 * k, index[:, k]) and torch.equal(weight[:, k], (own >= 0).float())
-    assert steps == [10] * 4
+    for n in (23, 20):  # the stacked path, all clients alike: with short batches, and without
+        index, weight, steps = stack_batches([C(s, n) for s in range(4)], 5, 0)
+        for k in range(4):
+            own = batch_schedule(n, 5, 2, 0, torch.Generator().manual_seed(k))
+            assert torch.equal(torch.where(own >= 0, own, 0) + n * k, index[:, k])
+            assert torch.equal(weight[:, k], (own >= 0).float())
+        assert steps == [2 * -(-n // 5)] * 4
 
     for model in (build_model("mclr", (6,), 4), build_model("mlp", (6,), 4)):
         forward = stacked_forward(model)
