@@ -320,3 +320,27 @@ def test_the_clients_there_are_listed_once_until_more_join():
         assert listed == [c for c in range(12) if there.joins[c] <= r]
     assert lists[0] is lists[1] and lists[2] is not lists[1] and lists[3] is not lists[2] and lists[4] is lists[3]
     assert [len(x) for x in lists] == [6, 6, 9, 12, 12, 12]
+
+
+def test_free_clients_as_arrays_for_millions_find_what_the_lists_find(monkeypatch):
+    """`FreeClients` past `LISTED` clients keeps numpy arrays (15 million clients: no Python
+    int per client) and a range of every client as a range: the same k-th free client after
+    the same starts and returns as its lists over a sorted list of ids."""
+    import random
+
+    from raysim.runtime import asynchronous
+
+    n, taken = 3000, {5, 17, 2999, 1000}
+    listed = asynchronous.FreeClients(list(range(n)), taken)
+    monkeypatch.setattr(asynchronous, "LISTED", 10)
+    arrays = asynchronous.FreeClients(range(n), taken)
+    assert isinstance(arrays.there, range) and not isinstance(arrays.tree, list)
+    rng = random.Random(0)
+    for _ in range(300):
+        cid, free = rng.randrange(n), rng.random() < 0.5
+        listed.set(cid, free)
+        arrays.set(cid, free)
+        assert arrays.count == listed.count
+        k = rng.randrange(listed.count)
+        assert arrays.kth(k) == listed.kth(k)
+    assert arrays._position(n) is None and arrays._position(-1) is None

@@ -84,17 +84,26 @@ class Arrival:
     payload: Any  # what it downloaded (FedBuff's update is its model minus this)
 
 
+LISTED = 1_000_000  # FreeClients keeps Python lists up to this many clients, numpy arrays beyond
+
+
 class FreeClients:
     """The round's clients that can start (there, not in flight, not dropped), in client-id
     order, with the k-th found in O(log n): a Fenwick tree of one flag per client there.
     `InFlight.pick` draws uniformly from them without listing 100,000 clients per arrival."""
 
-    def __init__(self, there: list[int], taken: set[int]):
-        self.there = np.asarray(there, dtype=np.int64)  # sorted (Availability.available)
+    def __init__(self, there, taken: set[int]):
+        # sorted (Availability.available); a range of every client stays a range: no array of 15 million ids
+        self.there = there if isinstance(there, range) and there.step == 1 else np.asarray(there, dtype=np.int64)
         n = len(self.there)
         flags = np.ones(n, dtype=np.int64)
         if taken:
-            flags[np.isin(self.there, np.fromiter(taken, dtype=np.int64, count=len(taken)))] = 0
+            ids = np.fromiter(taken, dtype=np.int64, count=len(taken))
+            if isinstance(self.there, range):
+                ids = ids[(ids >= self.there.start) & (ids < self.there.stop)] - self.there.start
+                flags[ids] = 0
+            else:
+                flags[np.isin(self.there, ids)] = 0
         prefix = np.concatenate([[0], np.cumsum(flags)])
         i = np.arange(1, n + 1)
         self.tree = np.zeros(n + 1, dtype=np.int64)
@@ -102,9 +111,15 @@ class FreeClients:
         self.flags = flags
         self.count = int(prefix[-1])
         self.top = 1 << max(0, n.bit_length() - 1) if n else 0
-        self.tree, self.flags = self.tree.tolist(), self.flags.tolist()  # plain ints: cheap one at a time
+        if n <= LISTED:  # plain ints: cheap one at a time
+            self.tree, self.flags = self.tree.tolist(), self.flags.tolist()
+        else:  # millions: numpy's (a Python int per client is 28 bytes and a list slot 8 more)
+            self.tree, self.flags = self.tree.astype(np.int32 if n < 2**31 else np.int64), self.flags.astype(np.int8)
 
     def _position(self, cid: int) -> Optional[int]:
+        if isinstance(self.there, range):
+            at = cid - self.there.start
+            return at if 0 <= at < len(self.there) else None
         at = int(np.searchsorted(self.there, cid))
         return at if at < len(self.there) and self.there[at] == cid else None
 
