@@ -135,21 +135,25 @@ class ClientRunner:
             # built just before training: each client seeds torch's RNG
             raw = next(reads)
             part = self._cohort(rnd, part, raw) if vectorized else [self._client(rnd, *part[0], raw=raw)]
-            for client in part:
+            attacked = bool(self.adversaries.who)  # no attacker, no step per client for them (a group of 500)
+            for client in part if attacked else ():
                 self.adversaries.before(client, rnd, method)
-            if vectorized and any(self.adversaries.attacking(c.cid, rnd, method) for c in part):
+            if attacked and vectorized and any(self.adversaries.attacking(c.cid, rnd, method) for c in part):
                 part.y = torch.cat([c.y for c in part])  # a label-flipping attacker's labels, in the group's too
-            residuals = [uplink.hide(c) if uplink else None for c in part]  # compress.error_feedback's
-            before = [dict(c.state) for c in part]  # holds the old values, so identity checks below are sound
+            residuals = [uplink.hide(c) for c in part] if uplink else [None] * len(part)  # compress.error_feedback's
+            # the old values, so identity checks below are sound
+            before = [dict(c.state) for c in part] if stateful else [None] * len(part)
             t0 = time.perf_counter()
             if vectorized:
                 done = plugin.client_update_cohort(part, payload)
             else:
                 done = [client_method(plugin, method)(part[0], payload)]
-            done, stacked = unstack(done, sums, any(self.adversaries.changes_model(c.cid, rnd, method) for c in part))
+            done, stacked = unstack(done, sums, attacked and any(self.adversaries.changes_model(c.cid, rnd, method)
+                                                                 for c in part))
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
             for client, result, old, residual in zip(part, done, before, residuals):
-                result = self.adversaries.after(client, payload, result, rnd, method)
+                if attacked:
+                    result = self.adversaries.after(client, payload, result, rnd, method)
                 if uplink is not None:
                     result = uplink.send(client, payload, result, rnd, residual, plugin)
                 result.metrics.setdefault("seconds", seconds)
