@@ -573,9 +573,9 @@ class FederatedServer:
         states = self.dispatch.states
         if len(states):  # the clients ever picked, not every client (issue 73)
             summary.update(client_states=len(states), client_state_gb=(states.memory_held + states.disk_bytes) / 2**30)
-            self.record.log(f"client states: {len(states)} kept by the server ({states.memory_held / 2**30:.3f} GB in memory), "
-                            f"{states.on_disk} of them on disk ({states.disk_bytes / 2**20:.1f} MB; "
-                            "resources.client_state_gb)")
+            self.record.log(f"client states: {len(states)} kept by the server, {states.on_disk} of them on disk "
+                            f"({states.disk_bytes / 2**20:.1f} MB; resources.client_state_gb), "
+                            f"{states.memory_held / 2**30:.3f} GB in memory")
         self.record.finish(summary, self.algorithm.state_dict())
         self.dispatch.release()
         return summary
