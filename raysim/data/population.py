@@ -35,7 +35,7 @@ class Population:
         self.num_classes = int(num_classes)
         self.input_shape = tuple(input_shape)
         self.dtype = np.dtype(dtype)
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes - self.test_sizes)]).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes - self.test_sizes, dtype=np.int64)])
         self._user = None
 
     def __len__(self) -> int:
