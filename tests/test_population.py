@@ -55,6 +55,9 @@ def test_lazy_needs_the_users_partition_and_a_test_sample_at_scale():
     with pytest.raises(ConfigError, match="synthetic.test_users"):
         load_config(overrides=["dataset=synthetic", "partition=natural", "num_clients=200000",
                                "synthetic.samples_per_client=20", "synthetic.generate=lazy"])
+    with pytest.raises(ConfigError, match="eval.local_clients"):
+        load_config(overrides=["dataset=synthetic", "partition=natural", "num_clients=200000", "synthetic.test_users=10",
+                               "synthetic.samples_per_client=20", "synthetic.generate=lazy"])
     with pytest.raises(ConfigError, match="synthetic.test_users=50 is more than the 40 users"):
         load_config(overrides=["dataset=synthetic", "partition=natural", "num_clients=40", "synthetic.test_users=50"])
 

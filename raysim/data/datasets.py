@@ -471,6 +471,10 @@ class SyntheticOptions(Options):
                 raise ConfigError(f"synthetic.generate=lazy with {cfg.num_clients} users: the global test set would "
                                   "be every user's test split; set synthetic.test_users (e.g. 1000) to test on a "
                                   "sample of users")
+            if not int(cfg.eval.local_clients) and int(cfg.num_clients) > 100_000:
+                raise ConfigError(f"synthetic.generate=lazy with {cfg.num_clients} users: each evaluation would make "
+                                  "and test every user's own split; set eval.local_clients (e.g. 100) to test a "
+                                  "sample of them each evaluation")
             return
         Synthetic.check_memory(cfg)
 
