@@ -304,9 +304,9 @@ def natural(y, n, p, rng, num_classes, users=None):
     n_users = int(users.max()) + 1
     if n != n_users:
         raise ConfigError(f"partition 'natural': the dataset has {n_users} users but num_clients={n}")
-    counts = np.bincount(users, minlength=n)
     if len(users) < 2 or bool((users[1:] >= users[:-1]).all()):  # stored user after user (LEAF's, Synthetic's):
-        return Shards.contiguous(np.concatenate([[0], np.cumsum(counts)]))  # an offset per user, no index array
+        counts = np.bincount(users, minlength=n)  # an offset per user, no index array
+        return Shards.contiguous(np.concatenate([[0], np.cumsum(counts)]))
     return split_by_owner(users, n)
 
 
@@ -367,22 +367,20 @@ def label_entropy(counts: np.ndarray) -> np.ndarray:
 
 def label_table(y: np.ndarray, part: Partition, num_classes: int, max_rows: int = 0) -> str:
     """Human-readable per-client label-count table (a population made when picked: its first
-    `max_rows` users only, made for it)."""
+    `max_rows` users only, made for it, and no total over the users not made)."""
     from raysim.data.population import is_lazy
 
     pop = is_lazy(y)
-    if pop is not None and 0 < max_rows < len(pop):
-        counts = pop.label_counts(range(max_rows))
-        head = "client" + "".join(f"{c:>6}" for c in range(num_classes)) + f"{'total':>8}"
-        rows = [head] + [f"{i:>6}" + "".join(f"{v:>6}" for v in row) + f"{row.sum():>8}" for i, row in enumerate(counts)]
-        return "\n".join(rows + [f"... ({len(pop) - max_rows:,} more users, made when picked: not listed)"])
-    counts = label_counts(y, part, num_classes)
+    partial = pop is not None and 0 < max_rows < len(pop)
+    counts = pop.label_counts(range(max_rows)) if partial else label_counts(y, part, num_classes)
     w = max(5, len(str(counts.max())) + 1)
     head = "client" + "".join(f"{c:>{w}}" for c in range(num_classes)) + f"{'total':>8}"
     rows = [head]
     shown = counts if max_rows <= 0 else counts[:max_rows]
     for i, row in enumerate(shown):
         rows.append(f"{i:>6}" + "".join(f"{v:>{w}}" for v in row) + f"{row.sum():>8}")
+    if partial:
+        return "\n".join(rows + [f"... ({len(pop) - max_rows:,} more users, made when picked: not listed)"])
     if len(shown) < len(counts):
         rows.append(f"... ({len(counts) - len(shown)} more clients)")
     rows.append(f"{'all':>6}" + "".join(f"{v:>{w}}" for v in counts.sum(0)) + f"{counts.sum():>8}")
