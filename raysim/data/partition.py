@@ -70,12 +70,17 @@ class Shards(Sequence):
     def sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def sizes_of(self, cids) -> np.ndarray:
+        """The sizes of clients `cids` (without the N sizes `sizes()` makes)."""
+        cids = np.asarray(cids, dtype=np.int64)
+        return self.offsets[cids + 1] - self.offsets[cids]
+
     def rows(self, cids) -> np.ndarray:
         """The indices of clients `cids`, one client's after another's: `np.concatenate([self[c]
         for c in cids])` without a Python step per client (a vectorised group of 500: 0.1 ms
         instead of 3)."""
         cids = np.asarray(cids, dtype=np.int64)
-        starts, lens = self.offsets[cids], self.offsets[cids + 1] - self.offsets[cids]
+        starts, lens = self.offsets[cids], self.sizes_of(cids)
         at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
         return at if self._order is None else self._order[at]
 

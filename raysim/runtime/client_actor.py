@@ -191,8 +191,8 @@ class ClientRunner:
         """A vectorised group's clients (`part`: (cid, epochs, state) each): their samples
         gathered and decoded once for the group; each client's shard a view of them."""
         cids = np.asarray([cid for cid, _, _ in part], dtype=np.int64)
-        x, y = self._rows(_rows_of(self.train_index, cids), raw)
-        sizes = _sizes_of(self.train_index, cids).tolist()
+        x, y = self._rows(self.train_index.rows(cids), raw)  # train_index: a Shards (data/partition.py)
+        sizes = self.train_index.sizes_of(cids).tolist()
         xs, ys = torch.split(x, sizes), torch.split(y, sizes)  # every client's view in one call: 10x slicing's speed
         last = len(part) - 1  # torch's default generator: seeded once, for the last client (as in turn it ends so)
         clients = [self._client(rnd, cid, n_epochs, state, cx, cy, client_seed=seed, seed_torch=i == last)
@@ -211,7 +211,7 @@ class ClientRunner:
             from concurrent.futures import ThreadPoolExecutor
 
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="raysim-read-ahead")
-        rows = [_rows_of(self.train_index, [cid for cid, _, _ in part]) for part in parts]
+        rows = [self.train_index.rows([cid for cid, _, _ in part]) for part in parts]
         ahead = [self._reader.submit(self.x.take, r) for r in rows[:2]]
         for k in range(len(parts)):
             got = ahead[k].result()
@@ -286,20 +286,6 @@ class ClientRunner:
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
-
-
-def _rows_of(index, cids) -> np.ndarray:
-    """The training rows of clients `cids`, client after client (`Shards.rows`: no step per client)."""
-    if hasattr(index, "rows"):
-        return index.rows(cids)
-    return np.concatenate([np.asarray(index[c]) for c in cids])
-
-
-def _sizes_of(index, cids) -> np.ndarray:
-    cids = np.asarray(cids, dtype=np.int64)
-    if hasattr(index, "offsets"):
-        return index.offsets[cids + 1] - index.offsets[cids]
-    return np.array([len(index[c]) for c in cids], dtype=np.int64)
 
 
 def _split(items: list, sizes: Optional[list[int]]) -> list[list]:
