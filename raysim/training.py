@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from raysim.contract import Client, ClientResult
-from raysim.wire import Packed
+from raysim.wire import Lines, Packed
 from raysim.seeds import seed_for  # noqa: F401  (raysim.training.seed_for: where algorithms import it from)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -341,6 +341,12 @@ class GroupWeightedMean:
         return out
 
 
+def client_lines(results: list[ClientResult]) -> Lines:
+    """Each folded client's (cid, num_samples, metrics, state_changed), as the wire passes
+    them unwalked."""
+    return Lines((r.cid, r.num_samples, r.metrics, r.state_changed) for r in results)
+
+
 def partial_sum(results: list[ClientResult]) -> ClientResult:
     """One block's results folded where they ran (`server.partial_sums`): the sample-weighted
     sum of their updates (float64), their samples' total, their sample-weighted mean loss,
@@ -351,7 +357,7 @@ def partial_sum(results: list[ClientResult]) -> ClientResult:
         mean.add(r.update, r.num_samples)
         loss += r.metrics["loss"] * r.num_samples
     return ClientResult(results[0].cid, int(mean.total), mean.acc, {"loss": loss / mean.total if mean.total else 0.0},
-                        clients=[(r.cid, r.num_samples, r.metrics, r.state_changed) for r in results])
+                        clients=client_lines(results))
 
 
 def pairwise_sum(t: torch.Tensor) -> torch.Tensor:
@@ -407,7 +413,7 @@ def stacked_sum(update: dict[str, torch.Tensor], results: list[ClientResult]) ->
     total = sum(r.num_samples for r in results)
     loss = sum(r.metrics["loss"] * r.num_samples for r in results)
     return ClientResult(results[0].cid, int(total), sums, {"loss": loss / total if total else 0.0},
-                        clients=[(r.cid, r.num_samples, r.metrics, r.state_changed) for r in results])
+                        clients=client_lines(results))
 
 
 _SCRATCH: dict = {}

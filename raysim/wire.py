@@ -27,12 +27,20 @@ class Packed:
         return Packed, (self.array,)
 
 
-_PLAIN = (int, float, str, bool, type(None))
+class Lines(tuple):
+    """Plain data only (numbers, strings, dicts and tuples of them): the wire passes it as it
+    is, without walking it. A group's sum carries a line per client; walking 500 of them
+    cost ~4 ms on each side of a call (issue 73)."""
+
+    __slots__ = ()
+
+
+_PLAIN = (int, float, str, bool, type(None), Lines)
 
 
 def _map(obj: Any, leaf) -> Any:
     """Apply `leaf` to every leaf of a nest of dicts, lists, tuples and dataclasses (plain
-    numbers and strings pass as they are: a group's sum carries a line per client)."""
+    numbers and strings pass as they are, and `Lines` unwalked)."""
     if type(obj) in _PLAIN:
         return obj
     if isinstance(obj, dict):

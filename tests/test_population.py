@@ -78,11 +78,17 @@ KEPT = ("round", "accuracy", "loss", "local_accuracy", "local_accuracy_mean", "l
         "cohort_entropy", "clients")
 
 
-def test_a_lazy_run_picks_trains_and_evaluates_the_same_clients_with_the_same_bits(ray_local, tmp_path):
+@pytest.mark.parametrize("vectorize", [[], ["local.vectorize=true", "local.vectorize_group=16"],
+                                       ["local.vectorize=true", "attack.kind=label_flip", "attack.fraction=0.3"]],
+                         ids=["sequential", "vectorised", "vectorised-label-flip"])
+def test_a_lazy_run_picks_trains_and_evaluates_the_same_clients_with_the_same_bits(ray_local, tmp_path, vectorize):
     """2,000 users made when picked, trained by two client actors, against the same users made at
-    start and trained by one: the same cohorts, models (hash), global and per-client metrics."""
-    made = _run(tmp_path, "made", "synthetic.generate=per_user", "resources.num_actors=1")
-    lazy = _run(tmp_path, "lazy", "synthetic.generate=lazy", "resources.num_actors=2")
+    start and trained by one: the same cohorts, models (hash), global and per-client metrics.
+    Vectorised, the users made at start are one after another in the arrays (each client's
+    view a slice, each step's batch taken from the arrays themselves), the lazy ones gathered
+    for the group: the same bits still, with label-flipping attackers in the groups too."""
+    made = _run(tmp_path, "made", "synthetic.generate=per_user", "resources.num_actors=1", *vectorize)
+    lazy = _run(tmp_path, "lazy", "synthetic.generate=lazy", "resources.num_actors=2", *vectorize)
     assert lazy[0]["model_sha256"] == made[0]["model_sha256"]
     rows = [[{k: r.get(k) for k in KEPT} for r in run[1]] for run in (made, lazy)]
     assert rows[0] == rows[1] and len(rows[0]) == 3 and all(r["local_accuracy"] is not None for r in rows[0])
