@@ -21,6 +21,8 @@ Three measurements per workload, each with one torch thread per process:
   faster than that actor's arithmetic); the median of 3;
 - plain loop: the same clients one after another in this process (local SGD as
   throughput.py's `train_plain`, weights folded into a float64 mean); the median of 3 rounds.
+The arithmetic and the plain loop are measured just before and just after raysim's run (the
+mean of the two medians is used, both are printed): this VM's speed drifts within minutes.
 """
 from __future__ import annotations
 
@@ -183,17 +185,21 @@ def main() -> int:
           f"{os.cpu_count()} CPUs)")
     for name in args.workloads:
         ov = overrides(name, args.group, args.rounds)
-        run = raysim_round(ov)
         cfg, data, part, n_classes = setup(ov)
-        arith = arithmetic(cfg, data, part, n_classes)
-        plain = plain_round(cfg, data, part, n_classes)
+        # this VM's speed drifts by up to a third within minutes: the plain loop and the
+        # arithmetic are measured just before and just after raysim's run, and their medians used
+        before = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
+        run = raysim_round(ov)
+        after = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
+        plain, arith = statistics.median([before[0], after[0]]), statistics.median([before[1], after[1]])
         print(f"== {name}: {' '.join(ov)}")
         print(f"   raysim s/round (median 'seconds' after round 1) {run['seconds']:.4f}   "
               f"(wall between rounds {run['between']:.4f}; aggregate {run['aggregate']:.4f})")
         print(f"   stacked arithmetic alone, busiest actor          {arith:.4f}   raysim / arithmetic = "
               f"{run['seconds'] / arith:.2f}x")
         print(f"   plain per-client loop, one process               {plain:.4f}   plain / raysim = "
-              f"{plain / run['seconds']:.1f}x")
+              f"{plain / run['seconds']:.1f}x   (before / after raysim: {before[0]:.4f} / {after[0]:.4f}; "
+              f"arithmetic {before[1]:.4f} / {after[1]:.4f})")
     return 0
 
 
