@@ -96,6 +96,41 @@ def test_a_lazy_run_picks_trains_and_evaluates_the_same_clients_with_the_same_bi
     assert made[0]["final_accuracy"] > 0.12  # it learns (10 classes)
 
 
+def test_the_cohorts_label_mix_comes_from_the_clients_reports_and_only_the_silent_are_made_again():
+    """The server sums the label counts its clients reported with their updates; only a client
+    that did not report (dropped, lost) is made again, and the sum is the made users' sum."""
+    from raysim.runtime.client_actor import _label_counts
+    from raysim.runtime.server import cohort_label_counts
+
+    made, lazy = both(40)
+    population = lazy[0].population
+    asked = []
+
+    def counts_of(cids):
+        asked.extend(cids)
+        return population.label_counts(cids)
+
+    cohort = [3, 7, 11, 20, 33]
+    reports = [Labelled(population.train(c)[1]) for c in cohort[:3]]  # 20 and 33 did not report
+    reported = dict(zip(cohort[:3], _label_counts(reports, population.num_classes)))
+    total = cohort_label_counts(cohort, counts_of, reported)
+    assert asked == [20, 33]
+    assert total.tolist() == label_counts(made[0].y_train, made[1], population.num_classes)[cohort].sum(0).tolist()
+    assert total.sum() == sum(population.sizes[c] - population.test_sizes[c] for c in cohort)
+    table = label_counts(made[0].y_train, made[1], population.num_classes)
+    assert cohort_label_counts(cohort, table, {}).tolist() == total.tolist()  # a table held whole: its rows
+
+
+class Labelled:
+    """What `_label_counts` reads of a client: its labels and their number."""
+
+    def __init__(self, y):
+        import torch
+
+        self.y = torch.from_numpy(np.asarray(y))
+        self.num_samples = len(self.y)
+
+
 def _peak_kb(tmp_path, n: int) -> int:
     """Peak resident memory (KB) of a 3-round run of n lazy users, 100 a round, in its own process."""
     run = [sys.executable, "-m", "raysim.run", "dataset=synthetic", "partition=natural", "model=mclr",

@@ -135,6 +135,10 @@ class ClientRunner:
             # built just before training: each client seeds torch's RNG
             raw = next(reads)
             part = self._cohort(rnd, part, raw) if vectorized else [self._client(rnd, *part[0], raw=raw)]
+            # a population made when picked: the clients' true label counts go back with their results,
+            # so the server need not make the cohort again for its label mix (taken before any attack)
+            counts = (_label_counts(part, self.num_classes) if self.population is not None and method == "client_update"
+                      else [None] * len(part))
             attacked = bool(self.adversaries.who)  # no attacker, no step per client for them (a group of 500)
             for client in part if attacked else ():
                 self.adversaries.before(client, rnd, method)
@@ -152,7 +156,9 @@ class ClientRunner:
             done, stacked = unstack(done, sums, attacked and any(self.adversaries.changes_model(c.cid, rnd, method)
                                                                  for c in part))
             seconds = (time.perf_counter() - t0) / len(part)  # a group's time, shared by its clients
-            for client, result, old, residual in zip(part, done, before, residuals):
+            for client, result, old, residual, labels in zip(part, done, before, residuals, counts):
+                if labels is not None:
+                    result.metrics["label_counts"] = labels
                 if attacked:
                     result = self.adversaries.after(client, payload, result, rnd, method)
                 if uplink is not None:
@@ -294,6 +300,14 @@ class ClientRunner:
         if self.device.type == "cuda":
             info["gpu_memory_bytes"] = torch.cuda.memory_allocated()
         return info
+
+
+def _label_counts(clients: list[Client], num_classes: int) -> list[np.ndarray]:
+    """Each client's training-label counts (one bincount for a group of them)."""
+    y = torch.cat([c.y for c in clients]).cpu()
+    owner = torch.repeat_interleave(torch.arange(len(clients)), torch.tensor([c.num_samples for c in clients]))
+    return list(torch.bincount(owner * num_classes + y, minlength=len(clients) * num_classes)
+                .view(len(clients), num_classes).numpy())
 
 
 def _split(items: list, sizes: Optional[list[int]]) -> list[list]:

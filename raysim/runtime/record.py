@@ -39,6 +39,7 @@ class RunRecord:
         self.metrics = observe.for_run(Path(run_dir).name)
         self.rows: list[dict] = []  # the clients table's rows of the round in progress
         self.sim_seconds: dict[int, float] = {}
+        self.label_counts: dict = {}  # cid: training-label counts a client reported with its update this round
         self.client_updates = 0
         self.first_round_seconds: Optional[float] = None
         self.last_checkpoint: Optional[int] = resume["round"] if resume else None  # the round a resume starts after
@@ -56,6 +57,8 @@ class RunRecord:
         m = result.metrics if result is not None else {}
         if result is not None:
             self.client_updates += 1
+            if "label_counts" in m:  # a population made when picked (runtime/client_actor.py)
+                self.label_counts[cid] = m["label_counts"]
         if num_samples is None:
             num_samples = int(result.num_samples if result is not None else self.sizes[cid])
         self.rows.append({
@@ -69,6 +72,7 @@ class RunRecord:
     def new_round(self) -> None:
         self.rows = []
         self.sim_seconds = {}  # cid: this round's simulated seconds of its training call (world/clock.py)
+        self.label_counts = {}
 
     def round(self, row: dict) -> None:
         """The round's metrics row and its clients' rows."""

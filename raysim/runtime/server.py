@@ -124,7 +124,7 @@ class FederatedServer:
                               "partition.test_fraction (e.g. 0.2)")
         self.input_range = (float(self.x_test.min()), float(self.x_test.max())) if len(self.x_test) else (0.0, 1.0)
         self.true_counts = (label_counts(data.y_train, part, num_classes) if data.population is None else
-                            data.population.label_counts)  # for cohort metrics only; made per cohort when made per user
+                            data.population.label_counts)  # for cohort metrics only; when made per user, reported by the clients
         # long-tailed data: accuracy on the many / medium / few-shot classes (data/long_tail.py)
         self.shots = (shot_groups(np.bincount(data.y_train, minlength=num_classes), self.cfg.eval.shots)
                       if self.cfg.long_tail.imbalance > 1 else None)
@@ -408,8 +408,7 @@ class FederatedServer:
             row["epsilon"] = self.accountant.after_round(rnd, record.rows)
         row.update(self.selection.round_metrics())
         if self._selected is not None:  # the cohort's true label mix, whatever the strategy saw
-            cohort = (self.true_counts[self._selected] if isinstance(self.true_counts, np.ndarray) else
-                      self.true_counts(self._selected)).sum(0)
+            cohort = cohort_label_counts(self._selected, self.true_counts, record.label_counts)
             row.update({"selected": self._selected, "cohort_entropy": float(label_entropy(cohort)),
                         "cohort_labels": int((cohort > 0).sum())})
         # this round's calls (not joins, nor a selection's round-0 uploads for newcomers)
@@ -638,3 +637,17 @@ class FederatedServer:
 
     def actor_info(self) -> list[dict]:
         return self.dispatch.actor_info()
+
+
+def cohort_label_counts(selected: list[int], true_counts, reported: dict) -> np.ndarray:
+    """The selected clients' training-label counts, summed: rows of `true_counts` (a table held
+    for every client), or, for a population made when picked (`true_counts` then makes users:
+    `Population.label_counts`), the counts its clients reported with their updates (`reported`,
+    cid: counts), the users made again only for those that did not report (dropped, lost)."""
+    if isinstance(true_counts, np.ndarray):
+        return true_counts[selected].sum(0)
+    total = true_counts([c for c in selected if c not in reported]).sum(0)  # none missing: zeros
+    for c in selected:
+        if c in reported:
+            total += reported[c]
+    return total
