@@ -299,7 +299,8 @@ class FederatedServer:
         t0 = time.perf_counter()
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
-        absent = [c for c in self._selected if not self.availability.there(c, rnd)]
+        absent = ([c for c in self._selected if not self.availability.there(c, rnd)]
+                  if self.availability.joins is not None else [])  # no newcomers: everyone is there
         if absent:
             raise RuntimeError(f"selection {self.cfg.selection!r} chose clients {absent[:5]} that are not there in round "
                                f"{rnd} (clients.join); a strategy draws from Selection.available")
