@@ -132,17 +132,11 @@ class Cohort(list):
     """A vectorised group's clients in client-id order, with all their samples as one tensor
     each (`x`, `y`: client after client; each client's own `x` and `y` are views of them).
     The client actor builds it with one gather and one decode for the group instead of one
-    per client; `cohort_sgd` takes a plain list too (it concatenates the clients' data).
+    per client; `cohort_sgd` takes a plain list too (it concatenates the clients' data)."""
 
-    `rows`: instead, the group's samples are rows `rows` (client after client) of the arrays
-    `x` and `y`, whose clients' views are slices of them: a partition whose every client's
-    rows are consecutive, in arrays used as they are (`Shards.is_contiguous`, no decoding).
-    Nothing is gathered for the group; each step's batch is taken from `x` itself (issue
-    73: one copy of the group's samples fewer, ~5 ms of a 500-client group's 45)."""
-
-    def __init__(self, clients: list[Client], x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor] = None):
+    def __init__(self, clients: list[Client], x: torch.Tensor, y: torch.Tensor):
         super().__init__(clients)
-        self.x, self.y, self.rows = x, y, rows
+        self.x, self.y = x, y
 
 
 def batch_schedule(n: int, batch_size: int, epochs: int, steps: int, generator: torch.Generator,
@@ -284,9 +278,6 @@ def cohort_sgd(clients: list[Client], model: torch.nn.Module, start: dict, sampl
     if x is None:  # a plain list: the group's samples, client after client
         x, y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
     index, weight, n_steps = stack_batches(clients, int(loc.batch_size), int(loc.steps))
-    rows = getattr(clients, "rows", None)
-    if rows is not None:  # the group's samples are these rows of x: a batch is taken from x itself
-        index = rows[index]
     total = stacked_sgd(model, params, x, y, index, weight, sample_loss, lr, float(loc.momentum),
                         float(loc.weight_decay), penalty, gradient_shift, weight_shift)
     state = {n: (params[n].detach() if n in params else v.to(device).expand(g, *v.shape))

@@ -83,10 +83,8 @@ KEPT = ("round", "accuracy", "loss", "local_accuracy", "local_accuracy_mean", "l
                          ids=["sequential", "vectorised", "vectorised-label-flip"])
 def test_a_lazy_run_picks_trains_and_evaluates_the_same_clients_with_the_same_bits(ray_local, tmp_path, vectorize):
     """2,000 users made when picked, trained by two client actors, against the same users made at
-    start and trained by one: the same cohorts, models (hash), global and per-client metrics.
-    Vectorised, the users made at start are one after another in the arrays (each client's
-    view a slice, each step's batch taken from the arrays themselves), the lazy ones gathered
-    for the group: the same bits still, with label-flipping attackers in the groups too."""
+    start and trained by one: the same cohorts, models (hash), global and per-client metrics;
+    vectorised too, with label-flipping attackers in the groups."""
     made = _run(tmp_path, "made", "synthetic.generate=per_user", "resources.num_actors=1", *vectorize)
     lazy = _run(tmp_path, "lazy", "synthetic.generate=lazy", "resources.num_actors=2", *vectorize)
     assert lazy[0]["model_sha256"] == made[0]["model_sha256"]

@@ -38,10 +38,6 @@ class Shards(Sequence):
         return cls(None, np.asarray(offsets, dtype=np.int64))
 
     @property
-    def is_contiguous(self) -> bool:
-        return self._order is None
-
-    @property
     def order(self) -> np.ndarray:
         """Every client's rows, client after client (made, for contiguous shards)."""
         return np.arange(int(self.offsets[-1]), dtype=np.int64) if self._order is None else self._order
