@@ -119,6 +119,39 @@ def test_the_cohorts_label_mix_comes_from_the_clients_reports_and_only_the_silen
     assert cohort_label_counts(cohort, table, {}).tolist() == total.tolist()  # a table held whole: its rows
 
 
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_clients_of_a_population_report_their_true_label_counts_with_their_updates(vectorize):
+    """The client actor's runner, in this process, on users made when picked: each update carries
+    the client's training-label counts, its true ones even where a label-flipping attacker trains
+    on flipped labels; a group's sum carries them in its clients' lines."""
+    from omegaconf import OmegaConf
+
+    from raysim.models import build_model
+    from raysim.runtime.client_actor import ClientRunner
+    from raysim.wire import pack, unpack
+
+    over = ["num_clients=40", "attack.kind=label_flip", "attack.fraction=0.5", "synthetic.generate=lazy"]
+    if vectorize:
+        over += ["local.vectorize=true", "local.vectorize_group=4"]
+    cfg = load_config(overrides=[*USERS, *over])
+    data, part, n_classes = prepare(cfg)
+    runner = ClientRunner(here=True)
+    runner.fetch = lambda refs: refs
+    runner._attach(OmegaConf.to_container(cfg), [{"population": data.population}, part.train], n_classes, data.norm,
+                   data.pixel_max)
+    model = build_model(cfg.model, data.input_shape, n_classes)
+    cids = [2, 5, 11, 17]
+    assert any(runner.adversaries.attacking(c, 1, "client_update") for c in cids)  # the flips are there to hide
+    out = runner.run(None, 1, "client_update", "algorithm", cids, [1] * 4, 4, [4] if vectorize else None, vectorize,
+                     vectorize, pack({"weights": model.state_dict()}))
+    results = [unpack(r) for r in out]
+    lines = (results[0].clients if vectorize else [(r.cid, r.num_samples, r.metrics, None) for r in results])
+    truth = data.population.label_counts(cids)
+    assert [cid for cid, *_ in lines] == cids
+    for (cid, n, metrics, _), counts in zip(lines, truth):
+        assert metrics["label_counts"].tolist() == counts.tolist() and n == counts.sum()
+
+
 class Labelled:
     """What `_label_counts` reads of a client: its labels and their number."""
 
