@@ -6,12 +6,14 @@ it. A client's personal model is the global model fine-tuned on its own training
 fine-tunes the head alone), tested on its own test split. Compared with PFLlib's clientbabu.py
 (head frozen with requires_grad=False; `fine_tune(['base', 'head'])`, 10 epochs at the
 training lr) and, as issue 54's audit read it, the authors' code (jhoon-oh/FedBABU: 5 epochs
-at 1/100 of the training lr; not in the reference store this session could read, so not
-re-checked line by line): `fedbabu.finetune_lr=0.01` `fedbabu.finetune_epochs=5` is the
-authors' setting, `fedbabu.finetune_epochs=10` PFLlib's. The default (5 epochs at the
-training lr) keeps the authors' epochs and PFLlib's lr: at the sweeps' lr 0.01 (the authors
-trained at 0.1), a hundredth of it barely moves a head that starts at random. See
-algorithms/_personal.py."""
+at 1/100 of the training lr: their main_fed.py, as junhyeog/FedBABU keeps it, decays the lr
+tenfold at half and at three quarters of the rounds, `--ft_ep 5`; the fine-tuning script itself
+is not in that copy): `fedbabu.finetune_lr=0.01` `fedbabu.finetune_epochs=5` is the authors'
+setting, `fedbabu.finetune_epochs=10` PFLlib's. The default (5 epochs at the training lr, as
+PFLlib's and Flower's baseline, whose MobileNet has BatchNorm) keeps the authors' epochs: at lr
+0.01 a hundredth of it barely moves a head that starts at random, but at 0.1 the simple CNN
+(no normalisation) fine-tuned on a #C=2 client's ~65 samples diverges on some clients (issue 72:
+the results table's fedbabu_ft001 row). See algorithms/_personal.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
