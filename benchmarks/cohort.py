@@ -3,6 +3,7 @@ arithmetic alone and against a plain per-client torch loop, side by side in one 
 
     python benchmarks/cohort.py                       # both workloads (about 2 minutes on 2 cores)
     python benchmarks/cohort.py --workloads mclr --rounds 8
+    python benchmarks/cohort.py --workloads mclr --repeat 5      # five measurements and their median ratio
     python benchmarks/cohort.py --workloads mclr-10k --rounds 6 --group 5000   # 10,000 clients a round
 
 Workloads (issue 41's 2-core targets):
@@ -178,6 +179,9 @@ def main() -> int:
     p.add_argument("--workloads", nargs="+", default=["mclr", "cnn"], choices=list(WORKLOADS))
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--group", type=int, default=500, help="local.vectorize_group (500: one group per actor)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each workload this many times in a row and print the median ratio too "
+                        "(this VM's speed varies: one measurement is a sample)")
     args = p.parse_args()
     import os
 
@@ -186,20 +190,26 @@ def main() -> int:
     for name in args.workloads:
         ov = overrides(name, args.group, args.rounds)
         cfg, data, part, n_classes = setup(ov)
-        # this VM's speed drifts by up to a third within minutes: the plain loop and the
-        # arithmetic are measured just before and just after raysim's run, and their medians used
-        before = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
-        run = raysim_round(ov)
-        after = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
-        plain, arith = statistics.median([before[0], after[0]]), statistics.median([before[1], after[1]])
         print(f"== {name}: {' '.join(ov)}")
-        print(f"   raysim s/round (median 'seconds' after round 1) {run['seconds']:.4f}   "
-              f"(wall between rounds {run['between']:.4f}; aggregate {run['aggregate']:.4f})")
-        print(f"   stacked arithmetic alone, busiest actor          {arith:.4f}   raysim / arithmetic = "
-              f"{run['seconds'] / arith:.2f}x")
-        print(f"   plain per-client loop, one process               {plain:.4f}   plain / raysim = "
-              f"{plain / run['seconds']:.1f}x   (before / after raysim: {before[0]:.4f} / {after[0]:.4f}; "
-              f"arithmetic {before[1]:.4f} / {after[1]:.4f})")
+        ratios = []
+        for _ in range(args.repeat):
+            # this VM's speed drifts by up to a third within minutes: the plain loop and the
+            # arithmetic are measured just before and just after raysim's run, and their medians used
+            before = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
+            run = raysim_round(ov)
+            after = plain_round(cfg, data, part, n_classes), arithmetic(cfg, data, part, n_classes)
+            plain, arith = statistics.median([before[0], after[0]]), statistics.median([before[1], after[1]])
+            ratios.append(plain / run["seconds"])
+            print(f"   raysim s/round (median 'seconds' after round 1) {run['seconds']:.4f}   "
+                  f"(wall between rounds {run['between']:.4f}; aggregate {run['aggregate']:.4f})")
+            print(f"   stacked arithmetic alone, busiest actor          {arith:.4f}   raysim / arithmetic = "
+                  f"{run['seconds'] / arith:.2f}x")
+            print(f"   plain per-client loop, one process               {plain:.4f}   plain / raysim = "
+                  f"{plain / run['seconds']:.1f}x   (before / after raysim: {before[0]:.4f} / {after[0]:.4f}; "
+                  f"arithmetic {before[1]:.4f} / {after[1]:.4f})", flush=True)
+        if args.repeat > 1:
+            print(f"   plain / raysim over {args.repeat} measurements: median {statistics.median(ratios):.1f}x "
+                  f"(range {min(ratios):.1f}-{max(ratios):.1f}x)")
     return 0
 
 
