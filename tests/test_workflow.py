@@ -338,3 +338,21 @@ def test_a_table_row_shows_only_the_sections_its_run_reads(four_runs, capsys):
     assert table([str(four_runs), "--rows", "algorithm,fedprox.mu", "--format", "csv"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1].startswith("\"fedavg, -\",") and lines[2].startswith("\"fedprox, 0.01\",")
+
+
+def test_a_table_of_rows_with_other_keys_has_every_key_in_first_seen_order_and_nulls_where_absent():
+    """The run directory's tables (results/writer.py `_table`, built by column): rows that differ in
+    keys (a round with a joiner's row, a compressed update's bytes) give one column per key, in the
+    order the keys are first met, None where a row lacks one; rows that all share theirs likewise."""
+    import pyarrow as pa
+
+    from raysim.results.writer import _table
+
+    rows = [{"cid": 1, "status": "ok", "loss": 0.5}, {"cid": 2, "status": "dropped", "reason": "dropout"},
+            {"cid": 3, "status": "ok", "loss": 0.25}, {"bytes_up": 10, "cid": 4}]
+    t = _table(rows)
+    assert t.column_names == ["cid", "status", "loss", "reason", "bytes_up"]
+    assert t.to_pylist() == [{k: r.get(k) for k in t.column_names} for r in rows]
+    assert t.schema.field("loss").type == pa.float64() and t.schema.field("cid").type == pa.int64()
+    same = _table(rows[:1] + [{"cid": 5, "status": "ok", "loss": None}])
+    assert same.column_names == ["cid", "status", "loss"] and same.column("loss").to_pylist() == [0.5, None]
