@@ -145,6 +145,15 @@ def test_wire_round_trip_keeps_tensors_and_arrays_apart():
     assert isinstance(back.update["w"], torch.Tensor) and torch.equal(back.update["w"], r.update["w"])
     assert isinstance(back.update["counts"], np.ndarray)
     assert back.cid == 3 and back.metrics == {"loss": 0.5}
+    # a group sum's per-client lines travel unwalked (wire.Lines), and come back as they went
+    from raysim.wire import Lines
+
+    lines = Lines((c, 10, {"loss": 0.1 * c, "label_counts": np.array([c, 1])}, False) for c in range(3))
+    packed = pack(ClientResult(0, 30, r.update, {"loss": 0.1}, clients=lines))
+    assert packed.clients is lines  # not walked: the same object
+    again = unpack(pickle.loads(pickle.dumps(packed)))
+    assert type(again.clients) is Lines and [c for c, *_ in again.clients] == [0, 1, 2]
+    assert again.clients[2][2]["label_counts"].tolist() == [2, 1]
 
 
 def test_colour_augment_flips_greys_and_keeps_the_standardisation():
