@@ -139,3 +139,9 @@ def test_uniform_selection_draws_positions_in_O_k_and_picks_what_the_array_draw_
     for seed, k in ((0, 1), (1, 10), (2, 1000)):
         before = sorted(np.random.default_rng(seed).choice(np.asarray(s.available), k, replace=False).tolist())
         assert s.select(1, k, np.random.default_rng(seed)) == before
+    # every client there (a range, issue 73: no list of them): the same draw, and plain ints
+    s.available = range(100_000)
+    for seed, k in ((0, 1), (3, 1000)):
+        before = sorted(np.random.default_rng(seed).choice(100_000, k, replace=False).tolist())
+        got = s.select(1, k, np.random.default_rng(seed))
+        assert got == before and all(type(c) is int for c in got)
