@@ -16,6 +16,10 @@ def test_newcomers_arrive_in_batches_drawn_from_the_seed():
     assert sorted(a.joining(3) + a.joining(4)) == late and len(a.joining(3)) == 2 and not a.joining(5)
     assert a.available(4) == list(range(10))
     assert Availability(cfg, 10).joins.tolist() == a.joins.tolist()  # a function of the seed
+    # the clients of a list there in a round (what selection's check and local evaluation read)
+    assert list(a.among(range(10), 2)) == a.available(2) and list(a.among(late, 3)) == a.joining(3)
+    everyone = range(10)
+    assert Availability(load_config(overrides=["num_clients=10"]), 10).among(everyone, 1) is everyone
     with pytest.raises(ConfigError, match="fedconcat clusters every client before round 1"):
         load_config(overrides=["algorithm=fedconcat", "clients.join.fraction=0.3", "clients.join.round=25"])
     with pytest.raises(ConfigError, match=r"must lie in \[2, rounds=6\]"):

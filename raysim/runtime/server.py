@@ -277,10 +277,7 @@ class FederatedServer:
         """The clients evaluated on their own test splits in round `rnd`: every one there that
         has a split, or `eval.local_clients` of them drawn without replacement (the server's
         stream 11 of the round: the same sample for any number of actors)."""
-        cids = self.local_tests.cids
-        if self.availability.joins is not None:
-            there = np.asarray(cids, dtype=np.int64)
-            cids = there[self.availability.joins[there] <= rnd]
+        cids = self.availability.among(self.local_tests.cids, rnd)
         k = int(self.cfg.eval.local_clients)
         if 0 < k < len(cids):  # positions drawn, then taken: rng.choice(cids, k)'s draw, without listing range(N)
             return sorted(int(cids[int(i)]) for i in self.rng(rnd, 11).choice(len(cids), k, replace=False))
@@ -299,9 +296,9 @@ class FederatedServer:
         t0 = time.perf_counter()
         k = min(clients_per_round(self.cfg) if k is None else k, len(self.selection.available))
         self._selected = sorted(int(c) for c in self.selection.select(rnd, k, self.rng(rnd, 1)))
-        absent = ([c for c in self._selected if not self.availability.there(c, rnd)]
-                  if self.availability.joins is not None else [])  # no newcomers: everyone is there
-        if absent:
+        there = self.availability.among(self._selected, rnd)
+        if len(there) < len(self._selected):
+            absent = sorted(set(self._selected) - set(np.asarray(there).tolist()))
             raise RuntimeError(f"selection {self.cfg.selection!r} chose clients {absent[:5]} that are not there in round "
                                f"{rnd} (clients.join); a strategy draws from Selection.available")
         self._select_seconds += time.perf_counter() - t0

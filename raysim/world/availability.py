@@ -46,8 +46,13 @@ class Availability:
             self._listed = (passed, np.flatnonzero(self.joins <= rnd).tolist())
         return self._listed[1]
 
-    def there(self, cid: int, rnd: int) -> bool:
-        return self.joins is None or bool(self.joins[cid] <= rnd)
+    def among(self, cids, rnd: int):
+        """The clients of `cids` there in round `rnd`: `cids` itself when nobody joins late (no
+        step per client), else an array of them."""
+        if self.joins is None:
+            return cids
+        cids = np.asarray(cids, dtype=np.int64)
+        return cids[self.joins[cids] <= rnd]
 
     def joining(self, rnd: int) -> list[int]:
         """The newcomers that arrive in round `rnd` (none in round 1: everyone there is)."""
