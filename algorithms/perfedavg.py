@@ -11,7 +11,9 @@ draws batches D, D' (and D'' for the Hessian-free variant) and, from w,
 [grad f(w + delta v; D'') - grad f(w - delta v; D'')] / (2 delta), v = grad f(w_tmp; D').
 alpha is the round's `local.lr`, beta `perfedavg.beta` (default: alpha too, PFLlib's beta =
 lr; FL-bench's 0.001 learns ~10x slower: on MNIST #C=2 with the CNN, 20 rounds, the clients'
-one-step models reach 0.15 at 0.001 against 0.81 at 0.01, docs/algorithms.md); the meta step is
+one-step models reach 0.15 at 0.001 against 0.81 at 0.01, docs/algorithms.md; and alpha = beta =
+0.1 does not train from a random start there, while alpha 0.01 with beta 0.1 reaches 98.5 %:
+benchmarks/perfedavg_meta.py, so set beta above alpha); the meta step is
 plain SGD, as both references' (no `local.momentum` or `local.weight_decay`: their meta
 optimisers have neither), taken through the shared training loop as a loss whose
 gradient is the meta-gradient, on batches of 2 (fo) or 3 (hf) x `local.batch_size` split in
