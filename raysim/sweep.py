@@ -75,10 +75,10 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if spec is not None and not isinstance(spec, dict):
             raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
                               f"{type(spec).__name__}")
-        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "only", "tune"}
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "only", "cells", "tune"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
-                              f"fixed, grid, skip, only, tune")
+                              f"fixed, grid, skip, only, cells, tune")
         spec = spec or {}
         name = spec.get("name")
         files = spec.get("config") or []
@@ -195,6 +195,47 @@ def read_skip(file: Path | None, grid: dict) -> list[dict]:
     return skip + _only_as_skip(spec.get("only"), names, check, file)
 
 
+def read_cells(file: Path | None, grid: dict, given: list[str] = ()) -> list[dict]:
+    """The sweep file's `cells`: keys set for some cells only, each entry the cells it names
+    ({axis: value or [values], ...}, as `only` names them) and `set: {key: value}`
+    (`{setting: mnist_c2, algorithm: [fedconcat, fedconcat_id], set: {fedconcat.encoder_rounds: 93}}`:
+    an option that only those algorithms read, at a value only that setting's rounds allow).
+    Returned as [{"where": {axis: {labels}}, "set": [overrides]}]; `given` (keys of the command
+    line's one-value overrides) win over a cell's own, as over a grid value's."""
+    if file is None:
+        return []
+    from raysim.config import find_config, load_yaml, read_text_file
+
+    path = find_config(str(file))
+    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    entries, axes = spec.get("cells") or [], spec.get("grid") or {}
+    form = "a list of mappings {axis: value or [values], ..., set: {key: value}}"
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("set"), dict) and e["set"]
+                                                and len(e) > 1 for e in entries):
+        raise ConfigError(f"sweep file {file}: cells must be {form}, got {entries!r:.80}")
+    names = {k: [str(x.get("label")) if isinstance(x, dict) else str(x) for x in v] for k, v in axes.items()}
+    out = []
+    for entry in entries:
+        where = {}
+        for k, v in entry.items():
+            if k == "set":
+                continue
+            if k not in axes:
+                raise ConfigError(f"sweep file {file}: cells names {k!r}, not a grid axis ({', '.join(axes)})")
+            for x in v if isinstance(v, list) else [v]:
+                if str(x) not in names[k]:
+                    raise ConfigError(f"sweep file {file}: cells' {k}={x} is none of grid.{k}'s values or labels")
+            where[k] = {str(x) for x in (v if isinstance(v, list) else [v])}
+        out.append({"where": where, "set": [o for o in _dotted(entry["set"]) if o.split("=", 1)[0] not in given]})
+    return out
+
+
+def cell_overrides(values: dict, cells: list[dict]) -> list[str]:
+    """The overrides the sweep file's `cells` give the point of these grid values."""
+    return [o for c in cells if all(str(_label(values[k]) or values[k]) in labels for k, labels in c["where"].items())
+            for o in c["set"]]
+
+
 def _only_as_skip(only, names: dict, check, file) -> list[dict]:
     """The sweep file's `only`: entries {axis: value, ..., one axis: [values]}, "where the
     scalar axes take these values, run only the listed values of the list axis" (a setting
@@ -274,10 +315,12 @@ def point_name(values: dict) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None, check: bool = True) -> list[dict]:
+def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None, check: bool = True,
+         per_cell: list[dict] = ()) -> list[dict]:
     """Every point (less those `skip` names): its name, overrides and state (done / partial /
-    new); each point's config checked here, before anything runs. `extra(values)`: overrides
-    appended to a point's (its tuned hyper-parameters). `check` (or `check(values)`): a point's
+    new); each point's config checked here, before anything runs. `per_cell` (read_cells): keys
+    set for some points only. `extra(values)`: overrides appended to a point's (its tuned
+    hyper-parameters). `check` (or `check(values)`): a point's
     folder from an earlier run must hold this config's run (`check_same_point`); off for the
     plan made before the tuning stage, whose points lack their tuned values still, and for a
     finished cell whose tuned values are not known (its tuning runs gone)."""
@@ -290,7 +333,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
             continue
         name = point_name(values)
         run_dir = sweep_dir / name
-        overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)),
+        overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), *cell_overrides(values, per_cell),
                      *(extra(values) if extra else []), f"output_dir={sweep_dir}", f"run_name={name}"]
         if not any(o.split("=", 1)[0] == "log.group" for o in fixed) and "log.group" not in grid:
             overrides.append(f"log.group={sweep_dir.name}")  # trackers group the sweep's runs (results/trackers.py)
@@ -310,12 +353,13 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
     return points
 
 
-def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set, skip: list[dict] = ()) -> list[dict]:
+def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set, skip: list[dict] = (),
+                per_cell: list[dict] = ()) -> list[dict]:
     """The tuning points (raysim/tuning.py) of the (setting, algorithm) `cells`: each at
     tune.seed, judged on held-out training samples, in `<sweep>/tuning/`."""
     at_seed = {**grid, "seed": [v for v in grid["seed"] if (_label(v) or v) == tuning.seed]}
     out = []
-    for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=skip):
+    for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=skip, per_cell=per_cell):
         cell = (p["values"].get("setting", ""), p["values"]["algorithm"])
         if cell not in cells:
             continue
@@ -430,7 +474,7 @@ def server_threads(points: list[dict], at_once: int) -> int:
 
 
 def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = (),
-          tuning=None, tuned: dict | None = None) -> Path:
+          tuning=None, tuned: dict | None = None, per_cell: list = ()) -> Path:
     """Run the sweep's points not done; with a `tune:` section (`tuning`), first the tuning
     points of every cell that still has a point to run, then those points with each cell's
     chosen hyper-parameters (raysim/tuning.py). `tuned`: recorded tuning scores (--tuned)."""
@@ -442,7 +486,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
         check_free(sweep_dir)
     # every point's config checked before anything runs; with a tuning stage, a finished point's folder is
     # checked against its config with the tuned values, in the plan made after the stage
-    points = plan(files, fixed, grid, sweep_dir, skip, check=tuning is None)
+    points = plan(files, fixed, grid, sweep_dir, skip, check=tuning is None, per_cell=per_cell)
     todo = [p for p in points if p["state"] != "done"]
     if not todo:
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points)} done, 0 to run")
@@ -453,25 +497,25 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
             cell_of = lambda v: (v.get("setting", ""), v["algorithm"])  # noqa: E731
             cells = {cell_of(p["values"]) for p in todo}
             finished = {cell_of(p["values"]) for p in points} - cells
-            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished)
+            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished, per_cell)
             labelled = lambda v: cell_of({k: value_label(k, x) for k, x in v.items()})  # noqa: E731
             # a finished cell's points are checked with its tuned values (its choice read back from its
             # tuning runs), not with the defaults; one whose tuning runs are gone is not checked
             points = plan(files, fixed, grid, sweep_dir, skip, extra=lambda v: chosen.get(labelled(v), []),
-                          check=lambda v: labelled(v) in chosen)
+                          check=lambda v: labelled(v) in chosen, per_cell=per_cell)
             todo = [p for p in points if p["state"] != "done"]
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
         return _run(points, todo, files, fixed, sweep_dir, say)
 
 
 def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = (),
-          finished: set = frozenset()) -> dict:
+          finished: set = frozenset(), per_cell: list = ()) -> dict:
     """The tuning stage: run the tuning points of `cells` not done nor recorded, score every one,
     write <sweep>/tuning.csv; returns {cell: the chosen point's overrides}, the `finished` cells'
     (every point run) too where their tuning runs are all there, read back, nothing run."""
     from raysim.tuning import choose, merge_tuned, run_seconds, score
 
-    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip)
+    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip, per_cell)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
     there = lambda p: recorded(p) or (Path(p["run_dir"]) / "summary.json").is_file()  # noqa: E731
     todo = [p for p in tpoints if p["cell"] in cells and p["state"] != "done" and not recorded(p)]
@@ -616,8 +660,9 @@ def main(argv=None) -> int:
             from raysim.tuning import read_tuned
 
             tuned = read_tuned(args.tuned)
+        given = [k for k, v in (o.split("=", 1) for o in args.overrides) if k not in grid and len(split_values(v)) == 1]
         sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip, tuning=tuning,
-                          tuned=tuned)
+                          tuned=tuned, per_cell=read_cells(args.file, grid, given))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

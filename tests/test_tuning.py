@@ -169,6 +169,39 @@ def test_only_runs_a_setting_for_the_listed_algorithms_and_refuses_a_name_not_in
         read_skip(f, grid)
 
 
+def test_cells_set_a_key_for_the_named_cells_only_the_command_line_wins_and_a_wrong_name_is_refused(tmp_path):
+    """`cells: [{setting: long, algorithm: [fedconcat], set: {fedconcat.encoder_rounds: 30}}]`: an
+    option only that algorithm reads, at a value only that setting's rounds allow; the tuning
+    points of the cell get it too, and a one-value key on the command line wins over it."""
+    from raysim.config import read_layers, resolve
+    from raysim.sweep import parse, plan, plan_tuning, read_cells, read_skip, read_tune
+
+    f = tmp_path / "s.yaml"
+    spec = {"grid": {"seed": [0], "setting": [{"label": "short", "dataset": "digits", "rounds": 25},
+                                              {"label": "long", "dataset": "digits", "rounds": 40}],
+                     "algorithm": ["fedavg", "fedconcat"]},
+            "cells": [{"setting": "long", "algorithm": ["fedconcat"], "set": {"fedconcat": {"encoder_rounds": 30}}}],
+            "tune": {"grid": {"local.lr": [0.1]}}}
+    f.write_text(json.dumps(spec))
+    _, files, fixed, grid = parse([], f)
+    cells = read_cells(f, grid)
+    rounds = lambda p: resolve(read_layers(files, p["overrides"])).fedconcat.encoder_rounds  # noqa: E731
+    points = {Path(p["run_dir"]).name: p for p in plan(files, fixed, grid, tmp_path / "out", per_cell=cells)}
+    assert rounds(points["seed=0,setting=long,algorithm=fedconcat"]) == 30
+    assert rounds(points["seed=0,setting=short,algorithm=fedconcat"]) == 20  # the preset's (30 would be refused)
+    assert not any("encoder_rounds" in o for p in points.values() if "fedavg" in p["name"] for o in p["overrides"])
+    tuning = plan_tuning(files, fixed, grid, tmp_path / "out", read_tune(f, grid), {("long", "fedconcat")},
+                         read_skip(f, grid), cells)
+    assert [rounds(p) for p in tuning] == [30]
+    assert read_cells(f, grid, given=["fedconcat.encoder_rounds"])[0]["set"] == []
+    f.write_text(json.dumps({**spec, "cells": [{"setting": "lng", "set": {"rounds": 3}}]}))
+    with pytest.raises(ConfigError, match="cells' setting=lng is none of grid.setting's values"):
+        read_cells(f, grid)
+    f.write_text(json.dumps({**spec, "cells": [{"setting": "long"}]}))
+    with pytest.raises(ConfigError, match="cells must be a list of mappings"):
+        read_cells(f, grid)
+
+
 def test_a_tuning_point_that_diverges_is_a_result_never_chosen_and_the_sweep_goes_on(ray_local, tmp_path):
     from raysim.sweep import main as sweep
 
