@@ -11,7 +11,11 @@ class it holds (eval mode, after training: the prototypes of the model it ends w
 training batches, each before its step, in train mode; PFLlib's clientproto.py pools every
 epoch's, the same at one epoch). The server's global prototype of class j is the
 mean of the round's uploaded prototypes of j (`fedproto.weighting=clients`, the authors' and
-PFLlib's; `samples`: weighted by each client's count of j), replacing the last round's. A
+PFLlib's; `samples`: weighted by each client's count of j), replacing the last round's: a class
+no client of the round holds has none (the authors', who run every client every round; with a
+tenth of the clients a round on MNIST #C=2 a round's cohort misses a class in 65 % of the rounds,
+and the clients' accuracy follows the count, 96 % at 10 prototypes, 85 at 9, 77 at 8: the
+results table's mnist_c2), or keeps its last one (`fedproto.absent=keep`). A
 client's model predicts by its nearest global prototype, argmin_j ||z - C^j||^2 =
 argmax_j 2 z.C^j - ||C^j||^2: one linear head (weights 2C, biases -||C||^2; a class with no
 prototype never predicted), which is what `personalise` returns
@@ -47,6 +51,7 @@ class FedProtoOptions(Options):
     weighting: str = option("clients", choices=("clients", "samples"))  # a class's global prototype: mean over clients | by their counts
     inference: str = option("prototypes", choices=("prototypes", "head"))  # a client's prediction: nearest global prototype | its own classifier
     collect: str = option("after", choices=("after", "training"))  # local prototypes: of the trained model (eval mode) | the last epoch's training passes (the authors')
+    absent: str = option("drop", choices=("drop", "keep"))  # a class no client of the round holds: no prototype (the authors') | its last one
 
 
 @ALGORITHMS.register("fedproto")
@@ -87,8 +92,11 @@ class FedProto(Personal):
             n += r.num_samples
         if n == 0:  # every client dropped out: keep the prototypes
             return {}
-        self.has = weight > 0
-        self.protos = torch.where(self.has[:, None], total / weight.clamp(min=1e-12)[:, None], 0.0).float()
+        now = weight > 0
+        kept = self.has & ~now if self.cfg.fedproto.absent == "keep" else torch.zeros_like(now)
+        self.protos = torch.where(now[:, None], total / weight.clamp(min=1e-12)[:, None],
+                                  torch.where(kept[:, None], self.protos.double(), 0.0)).float()
+        self.has = now | kept
         return {"train_loss": loss_sum / n, "prototypes": int(self.has.sum())}
 
     def state_dict(self) -> dict:

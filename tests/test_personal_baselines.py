@@ -370,6 +370,22 @@ def test_fedproto_server_averages_each_classs_prototypes_over_the_clients_that_h
     assert s.algorithm.has.tolist() == [True, True]
     s.algorithm.aggregate(2, iter(ups[1:]))  # the round's uploads replace the last round's
     assert s.algorithm.has.tolist() == [True, False]
+    assert torch.allclose(s.algorithm.protos[0], t([3.0, 0, 0])) and not s.algorithm.protos[1].any()
+
+
+def test_fedproto_can_keep_the_last_prototype_of_a_class_the_rounds_clients_lack():
+    """`fedproto.absent=keep`: class 1, held by no client of round 2, keeps round 1's prototype;
+    class 0 takes round 2's; a class never held has none."""
+    from raysim.contract import ClientResult
+
+    s = server_for("fedproto", "fedproto.absent=keep")
+    t = torch.tensor
+    s.algorithm.aggregate(1, iter([ClientResult(0, 4, {"protos": t([[1.0, 0, 0], [2.0, 2, 2]]), "counts": t([1.0, 3])},
+                                                {"loss": 1.0})]))
+    s.algorithm.aggregate(2, iter([ClientResult(1, 6, {"protos": t([[3.0, 0, 0], [0.0, 0, 0]]), "counts": t([6.0, 0])},
+                                                {"loss": 1.0})]))
+    assert s.algorithm.has.tolist() == [True, True]
+    assert torch.allclose(s.algorithm.protos[0], t([3.0, 0, 0])) and torch.allclose(s.algorithm.protos[1], t([2.0, 2, 2]))
 
 
 def test_fedproto_predicts_by_the_nearest_global_prototype():
