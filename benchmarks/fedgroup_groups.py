@@ -10,7 +10,7 @@ little of it.
     python benchmarks/fedgroup_groups.py runs/sweeps/results_table/seed=0,setting=mnist_c2,algorithm=fedgroup
 
 The run's own config makes the partition again (its data_dir must be there).
-Results: benchmarks/results-fedgroup-mnist-c2.txt.
+Results: benchmarks/results-mnist-c2-causes.txt.
 """
 from __future__ import annotations
 
