@@ -79,10 +79,17 @@ class PerFedAvg(FedAvg):
 
     @classmethod
     def config_notes(cls, cfg) -> list:
+        notes = []
         if float(cfg.local.momentum) or float(cfg.local.weight_decay):
-            return ["algorithm=perfedavg: its meta step is plain SGD at perfedavg.beta, as the references'; "
-                    "local.momentum and local.weight_decay apply to its evaluation's adaptation steps only"]
-        return []
+            notes.append("algorithm=perfedavg: its meta step is plain SGD at perfedavg.beta, as the references'; "
+                         "local.momentum and local.weight_decay apply to its evaluation's adaptation steps only")
+        alpha, beta = float(cfg.local.lr), cfg.perfedavg.beta
+        if beta is None or float(beta) <= alpha:
+            notes.append(f"algorithm=perfedavg: its meta step (perfedavg.beta={beta if beta is not None else alpha}) is "
+                         f"not above its adaptation step (local.lr={alpha}); on MNIST #C=2 alpha = beta = 0.1 did not "
+                         "meta-train from a random start and alpha 0.01 with beta 0.1 reached 98.5 % "
+                         "(docs/algorithms.md): set perfedavg.beta above local.lr")
+        return notes
 
     def client_update(self, client: Client, payload: dict) -> ClientResult:
         model, o = client.model, client.cfg.perfedavg
