@@ -483,3 +483,15 @@ def test_many_algorithms_get_a_panel_each_with_the_baseline_in_grey(tmp_path):
     assert list(grey.get_ydata()) == [1.5, 2.5, 3.0]  # alg0's mean over the seeds that reached each round
     assert list(panels[4].lines[1].get_xdata()) == [1, 2, 3]  # a seed that stopped early: the line goes on with the other
     assert len(made[1].axes) == 1 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_table_says_which_cells_the_sweep_file_sets_keys_for(tmp_path):
+    """The sweep file's `cells:` entries (keys set for some cells only) are named above the
+    claims, so a reader of those rows knows they did not run at the defaults."""
+    from raysim.results.published import write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP + "cells:\n  - {setting: digits, algorithm: [fedper], set: {local: {lr: 0.05}}}\n")
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert ("Set for some cells only (the sweep file's `cells`, each with its reason there): setting digits and "
+            "algorithm fedper: local.lr = 0.05.") in (tmp_path / "results.md").read_text()

@@ -43,7 +43,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | Non
     "seeds", "points": [{setting, algorithm, seed, dir, record or None}], "skipped": [...]}: a
     point's record from its folder's summary.json where it has one, else its row of
     `recorded` (an earlier runs.csv), else None (not run yet)."""
-    from raysim.sweep import _label, parse, point_name, read_skip, skipped
+    from raysim.sweep import _label, parse, point_name, read_cells, read_skip, skipped
 
     name, _, fixed, grid = parse([], sweep_file)
     if set(grid) != set(AXES):
@@ -71,7 +71,7 @@ def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | Non
     given = {k: json.loads(v) if v[:1] in '"[{' else v for k, v in (o.split("=", 1) for o in fixed) if k in PATHS}
     return {"name": name, "sweep_dir": sweep_dir, "given": given, "settings": [label(v) for v in grid["setting"]],
             "algorithms": [label(v) for v in grid["algorithm"]], "seeds": [label(v) for v in grid["seed"]],
-            "points": points, "skipped": not_run}
+            "points": points, "skipped": not_run, "cells": read_cells(sweep_file, grid)}
 
 
 def _chosen(path: Path) -> dict:
@@ -329,6 +329,11 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         lines += ["Not run (the sweep file's `skip` and `only`: combinations that cannot run, or left out for cost "
                   "as its header says): " + "; ".join(f"on {s}: {', '.join(sorted(a))}" for s, a in left.items()) + ".",
                   ""]
+    if plan.get("cells"):  # the sweep file's keys for some cells only: a reader of those rows must know
+        where = lambda c: " and ".join(f"{k} {', '.join(sorted(v))}" for k, v in c["where"].items())  # noqa: E731
+        lines += ["Set for some cells only (the sweep file's `cells`, each with its reason there): "
+                  + "; ".join(f"{where(c)}: {', '.join(o.replace('=', ' = ', 1) for o in c['set'])}"
+                              for c in plan["cells"]) + ".", ""]
     if claims:
         lines += ["## The papers' claims", "", "Each method's paper's headline comparison, and the column of this "
                   "table it is read against (*global* or *per client*): a cell says **yes** where the method's mean "
