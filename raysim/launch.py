@@ -307,7 +307,7 @@ class CheckHere(CheckApart):
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
            server_name: str = "raysim-server", servers=None, size_store: bool = False) -> dict:
     """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
-    from raysim.runtime.run_lock import RunLock
+    from raysim.run_lock import RunLock
 
     with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
         return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers(), size_store)

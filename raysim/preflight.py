@@ -24,8 +24,8 @@ def check_layers(layers: list, cwd: str, say: Callable[[str], None] = quiet):
     """`check` from the layers read (the warm service's server runs it for the command)."""
     cfg = resolve(layers, cwd)
     if cfg.resume:
-        from raysim.runtime.checkpoint import load_checked
-        from raysim.runtime.run_lock import check_free
+        from raysim.checkpoint import load_checked
+        from raysim.run_lock import check_free
 
         check_finished(cfg)
         check_free(cfg.resume)  # not being run by another process right now

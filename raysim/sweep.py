@@ -479,7 +479,7 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     points of every cell that still has a point to run, then those points with each cell's
     chosen hyper-parameters (raysim/tuning.py). `tuned`: recorded tuning scores (--tuned)."""
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
-    from raysim.runtime.run_lock import RunLock, check_free
+    from raysim.run_lock import RunLock, check_free
 
     sweep_dir = (output_dir / name).resolve()
     if sweep_dir.is_dir():  # another sweep running into the same folder would run (and remove) the same points

@@ -205,7 +205,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint(tmp_path):
     import torch
 
     from raysim.errors import WriteFailed
-    from raysim.runtime import checkpoint
+    from raysim import checkpoint
 
     checkpoint.save(tmp_path, {"round": 4, "w": torch.ones(3)})
     before = (tmp_path / "checkpoint.pt").read_bytes()
@@ -223,7 +223,7 @@ def test_a_non_ascii_run_name_runs_resumes_and_finishes_once(ray_local, tmp_path
     """run_name=é: Ray's metric tags are escaped, the run finishes and resumes; a resume of
     the finished run says so and rewrites nothing; a run directory another live process
     holds is refused; a stale lock (its process gone) is taken over."""
-    from raysim.runtime.run_lock import FILE, RunLock
+    from raysim.run_lock import FILE, RunLock
 
     out = tmp_path / "runs"
     assert main([*SMALL, "rounds=2", "run_name=été-ü", f"output_dir={out}"]) == 0
@@ -341,7 +341,7 @@ def test_a_second_sweep_into_a_folder_a_running_sweep_holds_is_refused(tmp_path,
     from raysim.sweep import main as sweep
 
     (tmp_path / "s").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from raysim.runtime.run_lock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from raysim.run_lock import RunLock; "
                                f"RunLock({str(tmp_path / 's')!r}).__enter__(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

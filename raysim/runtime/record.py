@@ -18,7 +18,7 @@ from raysim.contract import ClientResult
 from raysim.config import to_yaml
 from raysim.config.sections import foreign_sections
 from raysim.results.writer import RunWriter, summarize
-from raysim.runtime import checkpoint
+from raysim import checkpoint
 from raysim.runtime import observe
 
 

@@ -40,7 +40,8 @@ from raysim.errors import ActorsLost, RunDiverged
 from raysim.preflight import run_dir_for
 from raysim.experiment import describe, prepare
 from raysim.registry import ALGORITHMS, SELECTIONS
-from raysim.runtime import checkpoint, determinism, personal_eval, placement
+from raysim import checkpoint
+from raysim.runtime import determinism, personal_eval, placement
 from raysim.world.availability import Availability, SystemEffects
 from raysim.runtime.asynchronous import Arrival, InFlight
 from raysim.world.clock import Clock
