@@ -168,18 +168,14 @@ def _shown(key: str, value) -> str:
     return f"{key.split('.')[-1]}={value}"
 
 
-def read_skip(file: Path | None, grid: dict) -> list[dict]:
-    """The sweep file's `skip`: grid points not to run, each a mapping {axis: value or
-    label} (`{setting: synthetic, algorithm: fed2}`: a combination that cannot run)."""
-    if file is None:
-        return []
+def _entries_reader(file: Path):
+    """The sweep file's mapping, its grid's value names per axis, and `check(section, axis,
+    values)`, which refuses an axis or a value the grid does not have (skip, only, cells)."""
     from raysim.config import find_config, load_yaml, read_text_file
 
     path = find_config(str(file))
     spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
-    skip, axes = spec.get("skip") or [], spec.get("grid") or {}
-    if not isinstance(skip, list) or not all(isinstance(x, dict) and x for x in skip):
-        raise ConfigError(f"sweep file {file}: skip must be a list of mappings {{axis: value}}, got {skip!r:.80}")
+    axes = spec.get("grid") or {}
     names = {k: [str(x.get("label")) if isinstance(x, dict) else str(x) for x in v] for k, v in axes.items()}
 
     def check(section: str, k: str, values: list):
@@ -187,8 +183,21 @@ def read_skip(file: Path | None, grid: dict) -> list[dict]:
             raise ConfigError(f"sweep file {file}: {section} names {k!r}, not a grid axis ({', '.join(axes)})")
         for v in values:
             if str(v) not in names[k]:
-                raise ConfigError(f"sweep file {file}: {section}'s {k}={v} is none of grid.{k}'s values or labels")
+                whose = section + ("'" if section.endswith("s") else "'s")
+                raise ConfigError(f"sweep file {file}: {whose} {k}={v} is none of grid.{k}'s values or labels")
 
+    return spec, names, check
+
+
+def read_skip(file: Path | None, grid: dict) -> list[dict]:
+    """The sweep file's `skip`: grid points not to run, each a mapping {axis: value or
+    label} (`{setting: synthetic, algorithm: fed2}`: a combination that cannot run)."""
+    if file is None:
+        return []
+    spec, names, check = _entries_reader(file)
+    skip = spec.get("skip") or []
+    if not isinstance(skip, list) or not all(isinstance(x, dict) and x for x in skip):
+        raise ConfigError(f"sweep file {file}: skip must be a list of mappings {{axis: value}}, got {skip!r:.80}")
     for entry in skip:
         for k, v in entry.items():
             check("skip", k, [v])
@@ -204,29 +213,19 @@ def read_cells(file: Path | None, grid: dict, given: list[str] = ()) -> list[dic
     line's one-value overrides) win over a cell's own, as over a grid value's."""
     if file is None:
         return []
-    from raysim.config import find_config, load_yaml, read_text_file
-
-    path = find_config(str(file))
-    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
-    entries, axes = spec.get("cells") or [], spec.get("grid") or {}
-    form = "a list of mappings {axis: value or [values], ..., set: {key: value}}"
+    spec, _, check = _entries_reader(file)
+    entries = spec.get("cells") or []
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("set"), dict) and e["set"]
                                                 and len(e) > 1 for e in entries):
-        raise ConfigError(f"sweep file {file}: cells must be {form}, got {entries!r:.80}")
-    names = {k: [str(x.get("label")) if isinstance(x, dict) else str(x) for x in v] for k, v in axes.items()}
+        raise ConfigError(f"sweep file {file}: cells must be a list of mappings {{axis: value or [values], ..., "
+                          f"set: {{key: value}}}}, got {entries!r:.80}")
     out = []
     for entry in entries:
-        where = {}
-        for k, v in entry.items():
-            if k == "set":
-                continue
-            if k not in axes:
-                raise ConfigError(f"sweep file {file}: cells names {k!r}, not a grid axis ({', '.join(axes)})")
-            for x in v if isinstance(v, list) else [v]:
-                if str(x) not in names[k]:
-                    raise ConfigError(f"sweep file {file}: cells' {k}={x} is none of grid.{k}'s values or labels")
-            where[k] = {str(x) for x in (v if isinstance(v, list) else [v])}
-        out.append({"where": where, "set": [o for o in _dotted(entry["set"]) if o.split("=", 1)[0] not in given]})
+        where = {k: [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in entry.items() if k != "set"}
+        for k, values in where.items():
+            check("cells", k, values)
+        out.append({"where": {k: set(v) for k, v in where.items()},
+                    "set": [o for o in _dotted(entry["set"]) if o.split("=", 1)[0] not in given]})
     return out
 
 

@@ -188,3 +188,12 @@ def test_init_classifier_sum_is_the_sum_of_the_cluster_logits():
         concat = algo._concatenate()
         expected = scale * sum(m(x) for m in algo.models)
         assert torch.allclose(concat(x), expected, atol=1e-5), how
+
+
+def test_fedconcat_says_when_its_encoders_get_under_half_the_rounds():
+    from raysim.config import load_config
+    from raysim.registry import ALGORITHMS
+
+    notes = lambda *o: ALGORITHMS.get("fedconcat").config_notes(load_config(overrides=["algorithm=fedconcat", *o]))  # noqa: E731
+    assert "fedconcat.encoder_rounds=20 of the 150 rounds" in " ".join(notes("rounds=150"))
+    assert not notes("rounds=30") and not notes("rounds=150", "fedconcat.encoder_rounds=93")

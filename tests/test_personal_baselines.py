@@ -375,7 +375,7 @@ def test_fedproto_server_averages_each_classs_prototypes_over_the_clients_that_h
 
 def test_fedproto_can_keep_the_last_prototype_of_a_class_the_rounds_clients_lack():
     """`fedproto.absent=keep`: class 1, held by no client of round 2, keeps round 1's prototype;
-    class 0 takes round 2's; a class never held has none."""
+    class 0 takes round 2's."""
     from raysim.contract import ClientResult
 
     s = server_for("fedproto", "fedproto.absent=keep")
@@ -473,3 +473,19 @@ def test_fedalas_window_starts_anywhere_and_keeps_its_last_short_batch():
     dropped = [_ala_by_hand(glob, own, W, passes=1, eta=0.7, batches=(slice(a, a + 2),))[1] for a in (0, 1)]
     assert any(all(torch.allclose(got[k], h[k], atol=1e-6) for k in W) for h in hand)
     assert not any(all(torch.allclose(got[k], h[k], atol=1e-6) for k in W) for h in dropped)
+
+
+def test_perfedavg_and_fedproto_say_when_a_measured_default_fails_the_run_and_only_then():
+    """Per-FedAvg: a meta step not above the adaptation step (beta null is local.lr); FedProto:
+    the authors' absent-class rule with fewer clients a round than the population."""
+    from raysim.config import load_config
+    from raysim.registry import ALGORITHMS
+
+    def notes(name: str, *overrides) -> str:
+        return " ".join(ALGORITHMS.get(name).config_notes(load_config(overrides=[f"algorithm={name}", *overrides])))
+
+    assert "set perfedavg.beta above local.lr" in notes("perfedavg", "local.lr=0.1")  # beta = lr
+    assert "set perfedavg.beta above local.lr" in notes("perfedavg", "local.lr=0.1", "perfedavg.beta=0.05")
+    assert "perfedavg.beta above" not in notes("perfedavg", "local.lr=0.01", "perfedavg.beta=0.1")
+    assert "fedproto.absent=keep" in notes("fedproto", "participation=0.5")
+    assert not notes("fedproto", "participation=1.0") and not notes("fedproto", "fedproto.absent=keep")
