@@ -140,7 +140,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     algorithms whose loss is a per-sample mean and that pass neither hook). `lr` replaces
     the round's lr (FedBABU's fine-tuning), `batch_size` `local.batch_size` (Per-FedAvg
     splits each batch into its inner and outer ones), `momentum` and `weight_decay` the
-    config's (Per-FedAvg's meta step is plain SGD).
+    config's (Per-FedAvg's meta step is plain SGD). `local.clip_grad_norm`: each step's
+    gradient (after `on_gradients`) clipped to that norm, the authors' code of FedDyn.
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs
@@ -153,6 +154,7 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum if momentum is None else momentum),
               weight_decay=float(loc.weight_decay if weight_decay is None else weight_decay))
     n, bs = client.num_samples, int(loc.batch_size if batch_size is None else batch_size)
+    clip = None if loc.get("clip_grad_norm") is None else float(loc.clip_grad_norm)
     skip_single = _has_batchnorm(model) and n > 1  # BatchNorm cannot train on a batch of one
     model.train()
     total, count, done = 0.0, 0, 0
@@ -170,6 +172,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
             loss.backward()
             if on_gradients is not None:
                 on_gradients()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             if after_step is not None:
                 after_step()

@@ -14,6 +14,9 @@ CASES = [
     (["eval.local_clients=-2"], "eval.local_clients must be >= 0 (0: every client), got -2"),
     (["partition=zipf"], "partition.name='zipf' is not a known partition"),
     (["participation=1.5"], "participation must be in (0, 1], got 1.5"),
+    (["local.clip_grad_norm=0"], "local.clip_grad_norm must be > 0 (or null: no clipping), got 0"),
+    (["local.clip_grad_norm=10", "local.vectorize=true"], "local.clip_grad_norm with local.vectorize: the vectorised "
+     "groups do not clip"),
     (["local.vectorize=true", "algorithm=moon"], "local.vectorize: algorithm 'moon' trains its clients one at a time; "
                                                  "vectorised: ccvr, fedavg, fedavg_taunorm"),
     (["local.vectorize=true", "local.augment=crop_flip"], "local.vectorize does not combine with local.augment=crop_flip"),

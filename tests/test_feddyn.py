@@ -105,3 +105,26 @@ def test_under_top_1_percent_the_servers_sum_of_lambdas_is_the_clients_sum():
         clients = sum(lam[n].double() for lam in lams)
         assert torch.count_nonzero(total) <= 3 * 5 * math.ceil(0.01 * sum(v.numel() for v in algo.sum_lam.values()))
         assert torch.allclose(clients, total, atol=1e-5), (n, float((clients - total).abs().max()))
+
+
+def test_local_clip_grad_norm_clips_each_steps_whole_gradient_as_the_authors_code():
+    """local.clip_grad_norm=c (the authors' max_norm, 10 in their code): a full-batch step moves
+    w by lr * G * min(1, c / ||G||), G the dynamic loss's gradient over every parameter
+    (torch's clip_grad_norm_); unset, the step is unclipped."""
+    xd = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
+    yd = torch.tensor([0, 1, 1, 0])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    x = cpu_state(model)
+    lam = {"weight": torch.tensor([[2.0, -1.0], [0.0, 3.0]]), "bias": torch.tensor([-2.0, 1.0])}
+    a, lr = 0.5 * 8 / 4, 0.1
+    g = {k: _grad(x, xd, yd)[k] + a * lam[k] for k in x}
+    norm = math.sqrt(sum(float((v ** 2).sum()) for v in g.values()))
+    for clip, scale in ((None, 1.0), (norm / 4, 0.25), (norm * 2, 1.0)):
+        cfg = load_config(overrides=[*PLAIN, "local.steps=1", "local.batch_size=4", f"local.clip_grad_norm={clip}"
+                                     if clip is not None else "local.clip_grad_norm=null"])
+        client = Client(0, 1, cfg, xd, yd, 2, torch.device("cpu"), torch.Generator().manual_seed(0), {"lambda": lam},
+                        model, epochs=1)
+        res = FedDyn(cfg, 2, (2,)).client_update(client, {"weights": x, "mean_samples": 8.0})
+        for k in x:
+            assert torch.allclose(res.update[k], x[k] - lr * scale * g[k], atol=1e-6), (clip, k)

@@ -132,6 +132,12 @@ def validate(cfg: DictConfig) -> None:
     except ValueError:
         raise ConfigError(f"local.augment must be one of false, true, {', '.join(AUGMENTATIONS)}; "
                           f"got {loc.augment!r}") from None
+    if loc.clip_grad_norm is not None:
+        need(loc.clip_grad_norm > 0, f"local.clip_grad_norm must be > 0 (or null: no clipping), got {loc.clip_grad_norm}")
+        need(not loc.vectorize, "local.clip_grad_norm with local.vectorize: the vectorised groups do not clip; "
+             "set local.vectorize=false or local.clip_grad_norm=null")
+        need(cfg.privacy.mode != "local", "local.clip_grad_norm with privacy.mode=local: DP-SGD clips each sample's "
+             "gradient to privacy.clip instead; set local.clip_grad_norm=null")
     if loc.vectorize:
         need(loc.vectorize_group >= 1, f"local.vectorize_group must be >= 1, got {loc.vectorize_group}")
         if not registry.ALGORITHMS.get(cfg.algorithm).vectorizes():
