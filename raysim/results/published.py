@@ -279,7 +279,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
               f"{counted['yes']} cells the table reproduces its paper's direction, in **{counted['no']} it does not**, "
               f"in {counted['tie']} the two are within their seeds' spread (a tie: the table cannot order them), "
               f"{counted['n/c']} are not comparable (another setting or metric), "
-              f"{sum(v == '-' for v in verdicts.values())} have no claim recorded yet or no runs.", ""]
+              f"{sum(v == '-' for v in verdicts.values())} have no claim of their own (the baselines, the rows that measure a cause) or no runs.", ""]
     unexplained = [f"{s}/{a}" for (s, a), v in sorted(verdicts.items()) if v == "no"
                    and f"{s}/{a}" not in notes and f"*/{a}" not in notes]
     if unexplained:  # every "no" is to carry its fix or measured cause (docs/results/notes.yaml)
