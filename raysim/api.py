@@ -118,6 +118,7 @@ def shutdown() -> None:
     if ray.is_initialized():
         pool.release()
     ray.shutdown()
+    pool.forget()
 
 
 def load(run_dir: Union[str, Path]) -> RunResult:

@@ -179,6 +179,9 @@ def _main(args, say, t_start: float) -> int:
         on_service.close()
         if started or getattr(servers, "ray_started", False):
             ray.shutdown()  # the local Ray we started, its agents included
+            from raysim.runtime import pool
+
+            pool.forget()  # its actors went with it: a later run in this process starts its own
     acc, local = summary.get("final_accuracy"), summary.get("final_local_accuracy")
     personal = summary.get("final_personal_accuracy")
     if acc is None:

@@ -96,6 +96,18 @@ def test_a_run_with_no_ray_imports_none(tmp_path):
     assert r.stdout.split()[-2:] == ["0", "False"], r.stderr[-2000:]
 
 
+def test_two_runs_in_one_process_each_with_its_own_local_ray_use_their_own_actors(tmp_path):
+    """The CLI's `main` stops the Ray it started; a second call in the same process (as
+    `results.table --verify` makes) starts another, and must not take the first one's client
+    actors, which the first run left for reuse (runtime/pool.py)."""
+    code = ("from raysim.run import main; "
+            "print([main(['dataset=digits', 'model=mclr', 'num_clients=4', 'rounds=1', 'resources.num_actors=1', "
+            f"'output_dir={tmp_path}', f'run_name=r{{i}}', '--quiet']) for i in range(2)])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.stdout.strip().splitlines()[-1] == "[0, 0]", r.stderr[-3000:]
+    assert (tmp_path / "r1" / "summary.json").is_file()
+
+
 def test_what_needs_client_actors_gets_them():
     assert here.cannot(load_config(), stored=False) is None
     for keys, why in ((["resources.num_actors=2"], "resources.num_actors"),

@@ -89,6 +89,14 @@ def release() -> None:
     warm_server(reuse=False)
 
 
+def forget() -> None:
+    """Drop every kept handle once this process's Ray is shut down: its actors went with it,
+    and a later Ray in the same process (the CLI's `main` called twice, `--verify`'s runs)
+    must not take them (Ray: "Can't find actor ... from a different cluster")."""
+    _warm.clear()
+    _idle.clear()
+
+
 # ---------------------------------------------------------------- the server's side: client actors
 _idle: list[tuple[tuple, Any]] = []  # (what the actor reserves: (cpus, gpus), handle)
 _names: set = set()  # the actor names this server process has given
