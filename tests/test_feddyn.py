@@ -24,15 +24,19 @@ def _grad(weights: dict, x, y) -> dict:
     return {"weight": m.weight.grad.clone(), "bias": m.bias.grad.clone()}
 
 
+def _four_samples():
+    """Four 2-d samples of two classes, and a seeded Linear(2, 2) with its weights x."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    return (torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]]), torch.tensor([0, 1, 1, 0]), model,
+            cpu_state(model))
+
+
 def test_two_local_steps_follow_the_dynamic_regulariser_and_lambda_gathers_the_moves():
     """Full-batch steps w <- w - lr (g(w) + a (lambda - x + w)), a = alpha * mean samples / n_k
     (adaptive: 0.5 * 8 / 4 = 1); then lambda+ = lambda + (w2 - x)."""
     cfg = load_config(overrides=[*PLAIN, "local.steps=2", "local.batch_size=4"])
-    xd = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
-    yd = torch.tensor([0, 1, 1, 0])
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    x = cpu_state(model)
+    xd, yd, model, x = _four_samples()
     lam = {"weight": torch.tensor([[0.2, -0.1], [0.0, 0.3]]), "bias": torch.tensor([-0.2, 0.1])}
     a, lr = 0.5 * 8 / 4, 0.1
     w1 = {k: x[k] - lr * (_grad(x, xd, yd)[k] + a * lam[k]) for k in x}  # at w = x the quadratic's pull is a x
@@ -111,11 +115,7 @@ def test_local_clip_grad_norm_clips_each_steps_whole_gradient_as_the_authors_cod
     """local.clip_grad_norm=c (the authors' max_norm, 10 in their code): a full-batch step moves
     w by lr * G * min(1, c / ||G||), G the dynamic loss's gradient over every parameter
     (torch's clip_grad_norm_); unset, the step is unclipped."""
-    xd = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
-    yd = torch.tensor([0, 1, 1, 0])
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    x = cpu_state(model)
+    xd, yd, model, x = _four_samples()
     lam = {"weight": torch.tensor([[2.0, -1.0], [0.0, 3.0]]), "bias": torch.tensor([-2.0, 1.0])}
     a, lr = 0.5 * 8 / 4, 0.1
     g = {k: _grad(x, xd, yd)[k] + a * lam[k] for k in x}
