@@ -17,9 +17,11 @@ authors' code, alpemreacar/FedDyn (utils_methods.py `train_FedDyn`, utils_genera
 returned models, and the server's sum of lambdas kept from the uploads. Two models are
 evaluated: `global`, x (what clients start from, Algorithm 1's output), and `average`, the
 mean of the round's models (what the authors' code reports as its test accuracy). The
-authors clip every step's gradient to norm 10 (all their methods alike): `local.clip_grad_norm=10`;
-unset by default, as the paper states no clipping (without it, one of the results table's
-mnist_c2 runs at alpha 0.1 blew up at round 63: docs/results.md). lambda covers trainable parameters; buffers (BatchNorm
+authors clip every step's gradient to norm 10 (all their methods alike); `local.clip_grad_norm=10`
+is the nearest raysim has, not the same: their quadratic term is their optimiser's weight decay,
+added after the clip, where here it is part of the loss and clipped with it. Unset by default
+(without it, one of the results table's mnist_c2 runs at alpha 0.1 blew up at round 63:
+docs/results.md). lambda covers trainable parameters; buffers (BatchNorm
 statistics) take the plain sample-weighted mean. Under a lossy `compress.up` each lambda_k
 gathers the decoded moves the server summed (`uploaded`), not the exact ones, so
 x = avg + sum(lambda) / N holds for the lambdas the clients train with.

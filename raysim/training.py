@@ -141,7 +141,7 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     the round's lr (FedBABU's fine-tuning), `batch_size` `local.batch_size` (Per-FedAvg
     splits each batch into its inner and outer ones), `momentum` and `weight_decay` the
     config's (Per-FedAvg's meta step is plain SGD). `local.clip_grad_norm`: each step's
-    gradient (after `on_gradients`) clipped to that norm, the authors' code of FedDyn.
+    gradient (after `on_gradients`) clipped to that norm (FedDyn's authors clip every method at 10).
     Returns {"loss": mean training loss, "steps": number of SGD steps, "lr": the lr used}."""
     loc = client.cfg.local
     epochs = client.epochs if epochs is None else epochs

@@ -17,6 +17,8 @@ CASES = [
     (["local.clip_grad_norm=0"], "local.clip_grad_norm must be > 0 (or null: no clipping), got 0"),
     (["local.clip_grad_norm=10", "local.vectorize=true"], "local.clip_grad_norm with local.vectorize: the vectorised "
      "groups do not clip"),
+    (["local.clip_grad_norm=10", "privacy.mode=local"], "local.clip_grad_norm with privacy.mode=local: DP-SGD clips "
+     "each sample's gradient to privacy.clip instead"),
     (["local.vectorize=true", "algorithm=moon"], "local.vectorize: algorithm 'moon' trains its clients one at a time; "
                                                  "vectorised: ccvr, fedavg, fedavg_taunorm"),
     (["local.vectorize=true", "local.augment=crop_flip"], "local.vectorize does not combine with local.augment=crop_flip"),

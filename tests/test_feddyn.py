@@ -111,10 +111,10 @@ def test_under_top_1_percent_the_servers_sum_of_lambdas_is_the_clients_sum():
         assert torch.allclose(clients, total, atol=1e-5), (n, float((clients - total).abs().max()))
 
 
-def test_local_clip_grad_norm_clips_each_steps_whole_gradient_as_the_authors_code():
-    """local.clip_grad_norm=c (the authors' max_norm, 10 in their code): a full-batch step moves
-    w by lr * G * min(1, c / ||G||), G the dynamic loss's gradient over every parameter
-    (torch's clip_grad_norm_); unset, the step is unclipped."""
+def test_local_clip_grad_norm_clips_each_steps_whole_gradient_by_one_norm():
+    """local.clip_grad_norm=c: a full-batch step moves w by lr * G * min(1, c / ||G||), G the
+    whole dynamic loss's gradient over every parameter (one norm, not one per tensor); unset, or
+    above ||G||, the step is unclipped."""
     xd, yd, model, x = _four_samples()
     lam = {"weight": torch.tensor([[2.0, -1.0], [0.0, 3.0]]), "bias": torch.tensor([-2.0, 1.0])}
     a, lr = 0.5 * 8 / 4, 0.1

@@ -10,8 +10,9 @@ function trains on the batches raysim's client draws, in raysim's order (their D
 replaced by one that hands a new permutation from the client's raysim generator at every
 pass), with their SGD (weight decay alpha_k + weight_decay: the quadratic term), their linear
 term alpha_k <w, lambda_k - x>, and their adaptive alpha_k = alpha / (n_k / sum n * N). Their
-gradient clipping (max_norm = 10, all their methods) is lifted here (`--clip` keeps it):
-raysim does not clip. Their server loop is restated: the mean of the selected models plus the
+gradient clipping (max_norm = 10, all their methods) is lifted here (`--clip` keeps it:
+raysim's `local.clip_grad_norm=10` is not the same, as it clips the quadratic term's gradient
+too, which their weight decay adds after the clip). Their server loop is restated: the mean of the selected models plus the
 mean of every client's lambda, lambda_k += w_k - x.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", required=True, help="a checkout of alpemreacar/FedDyn")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--clip", action="store_true", help="keep the authors' gradient clipping (raysim has none)")
+    ap.add_argument("--clip", action="store_true", help="keep the authors' gradient clipping (raysim's default has none)")
     ap.add_argument("--record", help="write the reference's figures per round to this JSON file")
     ap.add_argument("overrides", nargs="*", help="raysim overrides (dataset, model, clients, local.*)")
     a = ap.parse_args(argv)
