@@ -185,8 +185,11 @@ def main() -> int:
     args = p.parse_args()
     import os
 
+    from raysim.runtime.determinism import processor
+
+    # the ratio depends on the processor: the plain loop is Python-bound, the round arithmetic-bound
     print(f"# python benchmarks/cohort.py {' '.join(sys.argv[1:])}   ({time.strftime('%Y-%m-%d')}, "
-          f"{os.cpu_count()} CPUs)")
+          f"{os.cpu_count()} CPUs, {processor('cpu')})")
     for name in args.workloads:
         ov = overrides(name, args.group, args.rounds)
         cfg, data, part, n_classes = setup(ov)

@@ -104,12 +104,16 @@ def cross_entropy_grads(forward, params: dict, xb: torch.Tensor, yb: torch.Tenso
     73: autograd's graph and the softmax it builds cost more than the matmuls)."""
     kept: list = []
     logits = forward(params, xb, kept)
-    lse = torch.logsumexp(logits, 2, keepdim=True)
+    # one exp for both the loss and the softmax: logsumexp and then exp(logits - lse) took 0.28 ms
+    # of a 1.2 ms step for 500 clients, this 0.20 (torch's softmax / log_softmax over 10 classes: 0.8)
+    top = logits.amax(2, keepdim=True)
+    g = (logits - top).exp_()
+    total = g.sum(2, keepdim=True)
     picked = logits.gather(2, yb.unsqueeze(2))
-    losses = ((lse - picked).squeeze(2) * scale).sum(1)
-    g = torch.exp(logits - lse)
-    g.scatter_add_(2, yb.unsqueeze(2), torch.full_like(picked, -1.0))
-    g.mul_(scale.unsqueeze(2))
+    scale = scale.unsqueeze(2)
+    g.mul_(scale / total)  # scale * softmax
+    losses = ((total.log_().add_(top) - picked) * scale).sum((1, 2))  # scale * (logsumexp - picked logit)
+    g.scatter_add_(2, yb.unsqueeze(2), -scale)  # scale * (softmax - onehot)
     grads: dict = {}
     first = next(i for i, (op, _) in enumerate(forward.ops) if op == "linear")  # below it, no gradient is needed
     for i in range(len(forward.ops) - 1, first - 1, -1):
