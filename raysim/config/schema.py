@@ -96,8 +96,9 @@ class LocalConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     lr_decay: float = 1.0  # lr in round r is lr * lr_decay ** (r - 1)
-    clip_grad_norm: Optional[float] = None  # > 0: each step's gradient clipped to this L2 norm (over the trained
-    # parameters, torch's clip_grad_norm_), torch's clip_grad_norm_ after any gradient hook, as FedDyn's authors' code clips each method it runs (10); None: no clipping
+    clip_grad_norm: Optional[float] = None  # > 0: each step's gradient clipped to this L2 norm (one norm over the
+    # trained parameters, torch's clip_grad_norm_, after any gradient hook), as FedDyn's authors' code clips each
+    # method it runs (10); None: no clipping
     augment: Any = False  # false | colour (= true; FedEntOpt's) | crop_flip (NIID-Bench's): see raysim/data/augment.py
     focal_gamma: float = 0.0  # > 0: the focal loss instead of cross-entropy (algorithms that train on the plain loss)
     vectorize: bool = False  # train groups of clients as one batched program (raysim/vectorized.py)
