@@ -83,6 +83,13 @@ def _cmd(p: psutil.Process) -> str:
         return ""
 
 
+def _own_ray_processes(name: str) -> list:
+    """This test session's Ray processes whose title starts with `name`: the descendants of
+    this process (the `ray_local` fixture's raylet is its child, the actors the raylet's), so
+    that another Ray on the machine (a user's run, another job) is never picked."""
+    return [q for q in psutil.Process().children(recursive=True) if _cmd(q).startswith(name)]
+
+
 def _wait_for_checkpoint(p, run: Path) -> None:
     deadline = time.time() + 150
     while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
@@ -148,8 +155,8 @@ def test_a_dead_server_actor_is_one_line_that_says_how_to_resume(ray_local, tmp_
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_checkpoint(p, run)
-        server = [q for q in psutil.process_iter() if _cmd(q).startswith("ray::ServerActor")]
-        assert len(server) == 1
+        server = _own_ray_processes("ray::ServerActor")
+        assert len(server) == 1, [_cmd(q) for q in server]
         server[0].send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:

@@ -19,30 +19,43 @@ COMMON = ["algorithm=scaffold", "dataset=digits", "model=mlp", "num_clients=8", 
           "local.epochs=1", "checkpoint_every=2", "--quiet"]
 
 
-def _run(tmp_path, *args):
+def _run(tmp_path, *args, env=None):
     given = list(args) if args[0].startswith("resume=") else [*COMMON, f"output_dir={tmp_path}", *args]
     r = subprocess.run([sys.executable, "-m", "raysim.run", *given, "--quiet"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
 
-def _ray_processes() -> set:
+def _own_ray(ray_tmp: str) -> set:
+    """The Ray processes of the commands given `RAY_TMPDIR=ray_tmp` (their command lines name
+    it), and no other Ray on the machine (another test session's, a user's run)."""
     import psutil
 
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if any(ray_tmp in a for a in p.info["cmdline"] or ())}
+
+
+@pytest.fixture
+def ray_tmp():
+    """A RAY_TMPDIR of this test's own (short: Ray's socket paths are limited)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
-def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(tmp_path):
-    before = _ray_processes()
-    _run(tmp_path, "rounds=2", "run_name=here")
-    _run(tmp_path, f"resume={tmp_path / 'here'}", "rounds=4")  # resumed here too
+def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(tmp_path, ray_tmp):
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp)
+    _run(tmp_path, "rounds=2", "run_name=here", env=env)
+    _run(tmp_path, f"resume={tmp_path / 'here'}", "rounds=4", env=env)  # resumed here too
     log = (tmp_path / "here" / "log.txt").read_text()
     assert "no Ray: the clients' training would take this process" in log
     summary = json.loads((tmp_path / "here" / "summary.json").read_text())
     assert summary["client_actor_nodes"] == {"this process": 1}
-    assert _ray_processes() <= before  # no Ray was started (nor left behind)
+    assert not _own_ray(ray_tmp) and not os.listdir(ray_tmp)  # no Ray was started (nor left behind)
     # the same run on two client actors (resources.num_actors asks for them)
     _run(tmp_path, "rounds=4", "resources.num_actors=2", "run_name=actors")
     assert "no Ray" not in (tmp_path / "actors" / "log.txt").read_text()
@@ -53,12 +66,13 @@ def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(t
     # training that would pay for Ray's start (a start costing ~nothing here): Ray starts after the data
     r = subprocess.run([sys.executable, "-m", "raysim.run", *COMMON, f"output_dir={tmp_path}", "rounds=4",
                         "resources.ray_start_s=0.000001", "run_name=later"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     c = torch.load(tmp_path / "later" / "model.pt", weights_only=True)
     assert all(torch.equal(a["global"][k], c["global"][k]) for k in a["global"])
     assert "no Ray" not in (tmp_path / "later" / "log.txt").read_text()
-    assert _ray_processes() <= before  # the Ray it started is stopped
+    assert os.listdir(ray_tmp)  # it did start a Ray, under RAY_TMPDIR
+    assert not _own_ray(ray_tmp)  # and stopped it
 
 
 @pytest.mark.slow
