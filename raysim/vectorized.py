@@ -20,7 +20,10 @@ matmuls (`stacked_forward`). Either way:
 
 Results equal the sequential path up to float rounding (a batch's loss is a masked sum
 over a count instead of a mean, cross-entropy is taken through logsumexp, and batched
-kernels add in another order); tested for FedAvg, FedProx and SCAFFOLD. A Flatten/Linear/
+kernels add in another order); tested for FedAvg, FedProx and SCAFFOLD. Through ReLUs a
+rounding difference can grow: a unit whose input is within rounding of 0 may be on one
+side here and the other there, and the runs then part by its gradient (issue 86: ~5e-4 in
+3 rounds; benchmarks/vectorized_drift.py), as the same run on two processors does. A Flatten/Linear/
 ReLU model under plain cross-entropy takes its gradients by hand (`cross_entropy_grads`:
 softmax minus one-hot, back through the layers), not through autograd: a third less time
 a step for such small models (issue 73), equal to autograd's up to rounding (tested). A group's result

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raysim.run import main
+from saved_models import tensors  # tests/support
 
 # digits + MLP: small enough for seconds per run, real enough to learn.
 BASE = ["dataset=digits", "model=mlp", "num_clients=12", "rounds=3", "local.epochs=1", "local.batch_size=16",
@@ -60,12 +61,10 @@ def test_reused_workers_give_the_same_model_as_fresh_ones(ray_local, tmp_path, a
     assert "reused from an earlier run" in (d_warm / "log.txt").read_text()
     assert "reused from an earlier run" not in (d_fresh / "log.txt").read_text()
     m_fresh, m_warm = torch.load(d_fresh / "model.pt"), torch.load(d_warm / "model.pt")
-    assert m_fresh.keys() == m_warm.keys()
-    for part in m_fresh:
-        if isinstance(m_fresh[part], dict):
-            for k, v in m_fresh[part].items():
-                if torch.is_tensor(v):
-                    assert torch.equal(v, m_warm[part][k]), (part, k)
+    fresh, warm = tensors(m_fresh), tensors(m_warm)  # FedConcat's clusters' encoders too (a list)
+    assert fresh.keys() == warm.keys() and any(k.startswith("clusters.") for k in fresh)
+    for k, v in fresh.items():
+        assert torch.equal(v, warm[k]), k
     assert s_fresh["final_accuracy"] == s_warm["final_accuracy"]
 
 

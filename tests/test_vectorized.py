@@ -10,6 +10,7 @@ from raysim.models import build_model
 from raysim.registry import ALGORITHMS
 from raysim.run import main
 from raysim.training import cpu_state
+from saved_models import tensors  # tests/support
 
 SIZES = [7, 23, 50, 1]  # unequal: different step counts, short last batches, a client of one sample
 EPOCHS = [2, 2, 1, 3]  # a straggler's epochs differ too
@@ -69,35 +70,48 @@ def test_a_vectorised_group_trains_each_client_as_the_sequential_path(algorithm,
 
 
 def run(tmp_path, name, *args):
-    assert main(["model=mlp", "num_clients=30", "participation=0.5", "rounds=3", "local.epochs=2",
+    assert main(["num_clients=30", "participation=0.5", "rounds=3", "local.epochs=2",
                  "local.batch_size=16", "eval_every=1", "checkpoint_every=0", f"output_dir={tmp_path}",
                  f"run_name={name}", "--quiet", *args]) == 0
     return torch.load(tmp_path / name / "model.pt", weights_only=True), \
         pq.read_table(tmp_path / name / "metrics.parquet").to_pylist()
 
 
+def floats(saved) -> dict:
+    return {k: v for k, v in tensors(saved).items() if v.is_floating_point()}
+
+
+@pytest.mark.parametrize("model", ["mclr", "mlp"])
 @pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedgroup"])
 def test_vectorised_runs_are_bit_identical_for_any_number_of_actors_and_close_to_sequential(ray_local, tmp_path,
-                                                                                             algorithm):
-    vec = ["local.vectorize=true", "local.vectorize_group=4", f"algorithm={algorithm}"]
+                                                                                             algorithm, model):
+    """Any number of actors: the same bits. Against the sequential path, how close is set by
+    the model (issue 86, benchmarks/vectorized_drift.py: 3 rounds under 12 arithmetic settings,
+    torch's vector kernels x MKL's, as other processors compute): logistic regression is
+    smooth, and the two paths stay within 6e-8 of each other. Through ReLUs they stay as close
+    (1.5e-8 to 3e-8) unless, in some step, a hidden unit's input for one sample lies within a
+    rounding error of 0 (-1.5e-8 on one path, +1.5e-8 on the other: digits, FedAvg, client 22
+    of round 1, step 5): the unit then passes that sample's gradient on one path only, and the
+    runs part by up to 5.7e-4 in an entry (6 of 12 settings here; the issue's Xeon). That is a
+    knife edge of the arithmetic, not of the code (the commit before e104781 gives the same in
+    the same settings), so the MLP's models are compared as a whole, each tensor by its norm:
+    one such switch moves it by 5.6e-4 of its norm; 3e-3 allows five, and still catches a
+    1 % error in lr (9e-3), a short batch averaged over the batch size (0.16) or a client's
+    step missed (0.11)."""
+    vec = [f"model={model}", "local.vectorize=true", "local.vectorize_group=4", f"algorithm={algorithm}"]
     if algorithm == "fedgroup":
         vec.append("fedgroup.groups=2")
     one, rows1 = run(tmp_path, "v1", *vec, "resources.num_actors=1")
     three, rows3 = run(tmp_path, "v3", *vec, "resources.num_actors=3")
     seq, rows_seq = run(tmp_path, "s", *[v for v in vec if not v.startswith("local.vectorize")], "resources.num_actors=2")
-    def flat(saved, prefix=""):  # every tensor in model.pt (FedGroup keeps a model per group)
-        out = {}
-        for k, v in saved.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            elif isinstance(v, torch.Tensor) and v.is_floating_point():
-                out[prefix + k] = v
-        return out
-
-    assert flat(one)
-    for k, v in flat(one).items():
-        assert torch.equal(v, flat(three)[k]), k
-        assert torch.allclose(v, flat(seq)[k], atol=1e-4, rtol=1e-3), (k, (v - flat(seq)[k]).abs().max())
+    one, three, seq = floats(one), floats(three), floats(seq)
+    assert any(k.endswith("weight") for k in one), list(one)  # the models themselves are compared
+    for k, v in one.items():
+        assert torch.equal(v, three[k]), k
+        if model == "mclr":
+            assert torch.allclose(v, seq[k], atol=1e-6, rtol=1e-5), (k, (v - seq[k]).abs().max())
+        else:
+            assert (v - seq[k]).norm() <= 3e-3 * seq[k].norm(), (k, ((v - seq[k]).norm() / seq[k].norm()).item())
     assert [r["accuracy"] for r in rows1] == [r["accuracy"] for r in rows3]
     assert abs(rows1[-1]["accuracy"] - rows_seq[-1]["accuracy"]) <= 0.02
 
