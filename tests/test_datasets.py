@@ -2,6 +2,7 @@
 import gzip
 import pickle
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -83,6 +84,67 @@ def test_cifar100_fine_and_coarse(tmp_path, coarse):
     key = "coarse_labels" if coarse else "fine_labels"
     assert d.y_train.tolist() == truth["train"][key] and d.y_test.tolist() == truth["test"][key]
     assert d.num_classes == (20 if coarse else 100)
+
+
+def _idx_four(folder, rng, gz, n=(50, 20)):
+    """The four IDX files flat in `folder` (Debian's layout); returns their arrays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = [rng.integers(0, 256, (n[0], 28, 28)), rng.integers(0, 10, n[0]),
+              rng.integers(0, 256, (n[1], 28, 28)), rng.integers(0, 10, n[1])]
+    for name, a in zip(["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                        "t10k-labels-idx1-ubyte"], arrays):
+        write_idx(folder / name, a, gz)
+    return arrays
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_files_flat_in_data_dir_load_and_nothing_is_written_there(tmp_path, gz):
+    """The four files flat in `data_dir`, as Debian lays them out, load as the torchvision
+    layout does, and the folder is only read (a system folder is read-only)."""
+    xtr, ytr, xte, yte = _idx_four(tmp_path / "flat", np.random.default_rng(4), gz)
+    before = sorted(p.name for p in (tmp_path / "flat").iterdir())
+    d = load_dataset(load_config(overrides=["dataset=fmnist", f"data_dir={tmp_path / 'flat'}", "download=false"]))
+    assert np.array_equal(d.x_train[:, 0], xtr) and np.array_equal(d.y_train, ytr)
+    assert np.array_equal(d.x_test[:, 0], xte) and np.array_equal(d.y_test, yte) and d.y_test.dtype == np.int64
+    assert sorted(p.name for p in (tmp_path / "flat").iterdir()) == before
+
+
+def test_fmnist_without_data_dir_reads_the_system_copy_and_names_bad_files(tmp_path, monkeypatch):
+    """No copy under `data_dir`: Fashion-MNIST comes from the system's folder (Debian's
+    dataset-fashion-mnist; here a folder of small files in its place). A truncated file
+    there is named in one message; with no copy anywhere, the message says how to get one."""
+    from raysim.data import datasets
+
+    system = tmp_path / "usr-share-datasets-fashion-mnist"
+    xtr, ytr, _, _ = _idx_four(system, np.random.default_rng(5), gz=True)
+    monkeypatch.setitem(datasets.SYSTEM_IDX_FOLDERS, "fmnist", system)
+    cfg = load_config(overrides=["dataset=fmnist", f"data_dir={tmp_path / 'empty'}", "download=false"])
+    d = load_dataset(cfg)
+    assert np.array_equal(d.x_train[:, 0], xtr) and np.array_equal(d.y_train, ytr)
+    assert d.label_source[0] == system / "train-labels-idx1-ubyte.gz"
+    with pytest.raises(ConfigError, match="download=false"):  # MNIST has no system copy
+        load_dataset(load_config(overrides=["dataset=mnist", f"data_dir={tmp_path / 'empty'}", "download=false"]))
+    labels = system / "t10k-labels-idx1-ubyte.gz"
+    labels.write_bytes(gzip.compress(gzip.decompress(labels.read_bytes())[:-3]))
+    with pytest.raises(ConfigError, match=f"{labels} is not a whole IDX file of bytes .*fetch it again"):
+        load_dataset(cfg)
+    monkeypatch.setitem(datasets.SYSTEM_IDX_FOLDERS, "fmnist", tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="apt install dataset-fashion-mnist"):
+        load_dataset(cfg)
+
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason="Debian's dataset-fashion-mnist is not installed "
+                                                  "(apt install dataset-fashion-mnist; .ci/run installs it)")
+def test_the_real_fashion_mnist_from_debians_package(tmp_path):
+    """With the package installed and no data_dir of the user's: the whole Fashion-MNIST,
+    60,000 training and 10,000 test images, 6,000 and 1,000 of each class."""
+    d = load_dataset(load_config(overrides=["dataset=fmnist", f"data_dir={tmp_path}", "download=false"]))
+    assert d.x_train.shape == (60000, 1, 28, 28) and d.x_test.shape == (10000, 1, 28, 28)
+    assert np.bincount(d.y_train).tolist() == [6000] * 10 and np.bincount(d.y_test).tolist() == [1000] * 10
+    assert str(d.label_source[0]).startswith(str(FASHION)) and not any(tmp_path.iterdir())
 
 
 def test_missing_files_name_the_folder(tmp_path):

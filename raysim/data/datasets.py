@@ -110,11 +110,14 @@ def _pixels(x_uint8: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+_GET_IT = {"fmnist": "; or `apt install dataset-fashion-mnist` (Debian, Ubuntu): raysim reads it where it puts them"}
+
+
 def _missing(name: str, where: Path, files: list[str], err: Exception | None) -> ConfigError:
     why = f" (download failed: {str(err).splitlines()[0][:120]})" if err else " (download=false)"
     return ConfigError(
         f"dataset {name!r}: files not found under {where}{why}; put {', '.join(files)} there "
-        f"or set data_dir=<folder that has them>"
+        f"or set data_dir=<folder that has them>{_GET_IT.get(name, '')}"
     )
 
 
@@ -213,10 +216,67 @@ def _check_idx(name: str, path: Path, shown: Path) -> None:
         raise ConfigError(f"dataset {name!r}: {shown} is corrupt or truncated ({why}); delete it and fetch it again")
 
 
-def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: DictConfig) -> FederatedData:
+# Where the system keeps a dataset's four IDX files, flat: Debian's dataset-fashion-mnist
+# (`apt install dataset-fashion-mnist`) puts Fashion-MNIST's in this folder.
+SYSTEM_IDX_FOLDERS = {"fmnist": Path("/usr/share/datasets/fashion-mnist")}
+
+
+def _flat_idx_files(folder: Path) -> Optional[list[Path]]:
+    """The four IDX files lying flat in `folder` (each plain or .gz, the plain one first), or
+    None when any is missing."""
+    found = []
+    for f in _IDX_FILES:
+        here = [folder / f, folder / (f + ".gz")]
+        hit = next((p for p in here if p.is_file()), None)
+        if hit is None:
+            return None
+        found.append(hit)
+    return found
+
+
+def _read_idx(name: str, path: Path) -> np.ndarray:
+    """An IDX file of unsigned bytes (.gz or not) read whole into memory, its header and size
+    checked; nothing is written beside it (the system's folder is read-only)."""
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, bad CRC, unreadable
+        raise ConfigError(f"dataset {name!r}: {path} cannot be read ({type(e).__name__}: "
+                          f"{str(e)[:100] or 'truncated'}); fetch it again") from None
+    ndim = data[3] if len(data) >= 4 else 0
+    ok = len(data) >= 4 + 4 * ndim and data[:3] == b"\0\0\x08"
+    shape = tuple(int(d) for d in np.frombuffer(data[4:4 + 4 * ndim], ">u4")) if ok else ()
+    if not ok or len(data) != 4 + 4 * ndim + int(np.prod(shape, dtype=np.int64)):
+        raise ConfigError(f"dataset {name!r}: {path} is not a whole IDX file of bytes ({len(data):,} bytes"
+                          f"{f', its header says {shape}' if ok else ''}); fetch it again")
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _idx_from_folder(name: str, files: list[Path], mean: float, std: float) -> FederatedData:
+    """The dataset from its four IDX files lying flat in a folder (Debian's layout)."""
+    xtr, ytr, xte, yte = (_read_idx(name, f) for f in files)
+    for (x, xf), (y, yf) in (((xtr, files[0]), (ytr, files[1])), ((xte, files[2]), (yte, files[3]))):
+        check_paired(name, xf, len(x), yf, len(y))
+    return FederatedData(name, _pixels(xtr), ytr.astype(np.int64), _pixels(xte), yte.astype(np.int64), 10,
+                         norm=((mean,), (std,)), pixel_max=255.0, label_source=(files[1], files[3]))
+
+
+def _load_idx_family(name: str, folder: str, mean: float, std: float, cfg: DictConfig) -> FederatedData:
+    """From `data_dir`: torchvision's layout (`<data_dir>/<folder>/raw`, `folder` the name of
+    torchvision's class), else the four files flat in `data_dir`, else the system's copy
+    (`SYSTEM_IDX_FOLDERS`), else torchvision's download into `<data_dir>/<folder>/raw`.
+    torchvision (4-5 s to import with its models) is imported only for its layout."""
     root = Path(cfg.data_dir)
     (mean,), (std,) = _scaling(cfg, (mean,), (std,))
     raw = root / folder / "raw"
+    if not raw.is_dir():
+        for flat in (root, SYSTEM_IDX_FOLDERS.get(name)):
+            files = _flat_idx_files(flat) if flat is not None else None
+            if files is not None:
+                return _idx_from_folder(name, files, mean, std)
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, folder)
     if raw.is_dir():
         _gunzip_if_needed(name, raw)
     train, test = _torchvision_load(name, cls, root, cfg.download, {"train": True}, {"train": False}, raw, _IDX_FILES)
@@ -235,28 +295,26 @@ def _load_idx_family(name: str, cls, folder: str, mean: float, std: float, cfg: 
 
 @DATASETS.register("mnist")
 class MNIST:
-    """MNIST from IDX files in `<data_dir>/MNIST/raw` (torchvision layout; .gz accepted)."""
+    """MNIST from IDX files in `<data_dir>/MNIST/raw` (torchvision layout; .gz accepted), or
+    the four files flat in `data_dir`, else downloaded."""
 
     num_classes = 10
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
-        from torchvision.datasets import MNIST as TV
-
-        return _load_idx_family("mnist", TV, "MNIST", 0.1307, 0.3081, cfg)
+        return _load_idx_family("mnist", "MNIST", 0.1307, 0.3081, cfg)
 
 
 @DATASETS.register("fmnist")
 class FMNIST:
-    """Fashion-MNIST from IDX files in `<data_dir>/FashionMNIST/raw`."""
+    """Fashion-MNIST from IDX files in `<data_dir>/FashionMNIST/raw`, or flat in `data_dir`, or
+    Debian's package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist), else downloaded."""
 
     num_classes = 10
 
     @staticmethod
     def load(cfg: DictConfig) -> FederatedData:
-        from torchvision.datasets import FashionMNIST as TV
-
-        return _load_idx_family("fmnist", TV, "FashionMNIST", 0.2860, 0.3530, cfg)
+        return _load_idx_family("fmnist", "FashionMNIST", 0.2860, 0.3530, cfg)
 
 
 # --------------------------------------------------------------------------- CIFAR family
