@@ -122,6 +122,8 @@ def test_fmnist_without_data_dir_reads_the_system_copy_and_names_bad_files(tmp_p
     d = load_dataset(cfg)
     assert np.array_equal(d.x_train[:, 0], xtr) and np.array_equal(d.y_train, ytr)
     assert d.label_source[0] == system / "train-labels-idx1-ubyte.gz"
+    (tmp_path / "empty" / "FashionMNIST" / "raw").mkdir(parents=True)  # a download that left nothing is no copy
+    assert np.array_equal(load_dataset(cfg).y_train, ytr)
     with pytest.raises(ConfigError, match="download=false"):  # MNIST has no system copy
         load_dataset(load_config(overrides=["dataset=mnist", f"data_dir={tmp_path / 'empty'}", "download=false"]))
     labels = system / "t10k-labels-idx1-ubyte.gz"

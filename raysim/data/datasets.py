@@ -269,7 +269,7 @@ def _load_idx_family(name: str, folder: str, mean: float, std: float, cfg: DictC
     root = Path(cfg.data_dir)
     (mean,), (std,) = _scaling(cfg, (mean,), (std,))
     raw = root / folder / "raw"
-    if not raw.is_dir():
+    if _flat_idx_files(raw) is None:  # no whole copy in torchvision's layout (an empty raw/ is none)
         for flat in (root, SYSTEM_IDX_FOLDERS.get(name)):
             files = _flat_idx_files(flat) if flat is not None else None
             if files is not None:
