@@ -24,7 +24,7 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
     ok, what}."""
     from raysim.run import main as run
 
-    side = doc.parent / "results"
+    side = doc.with_suffix("")  # the folder beside the document (published.write_doc)
     rows = read_records(side / "runs.csv")
     if not rows:
         raise ConfigError(f"--verify: {side / 'runs.csv'} has no runs; make the table first")

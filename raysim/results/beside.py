@@ -1,0 +1,135 @@
+"""raysim's cells beside published numbers (issue 83): the section a results document opens
+with when `<side>/published.yaml` is there (docs/results/fmnist/published.yaml), made by
+`python -m raysim.results.table --sweep F --doc D` with the rest of the document.
+
+published.yaml, one entry per setting of the sweep:
+
+    niid_c2:
+      source: NIID-Bench as Flower's baselines/niid_bench reproduces it, its README
+      reading: best        # how the source reads a run: best (over the rounds) | final (round)
+      seeds: 3             # the runs behind each published mean and std
+      numbers: {fedavg: [78.10, 2.51], fedprox: [78.05, 0.99]}   # accuracy %, mean and std
+
+Each cell shows raysim's final-round and best-round accuracy (mean ± std over its seeds) and
+the published mean ± std, and is judged by the source's own reading: raysim's mean lies within
+the published spread when Welch's two-sided t-test (unequal variances, from the two means,
+standard deviations and seed counts) does not reject equal means at 0.05. A cell outside it
+is to carry a measured note (`<side>/notes.yaml`, as every note of the document)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from raysim.errors import ConfigError
+from raysim.results.runs import mean_std
+
+READINGS = ("best", "final")
+ALPHA = 0.05
+
+
+def read_published(path: Path, settings: list, algorithms: list) -> dict:
+    """published.yaml as {setting: {source, reading, seeds, numbers: {algorithm: (mean, std)}}};
+    {} without the file. Every name must be the sweep's, every number a percentage."""
+    if not path.is_file():
+        return {}
+    from raysim.config import load_yaml, read_text_file
+
+    raw = load_yaml(read_text_file(str(path), "published numbers"), str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must map each setting to its published numbers, not {type(raw).__name__}")
+    out = {}
+    for setting, entry in raw.items():
+        where = f"{path}: {setting}"
+        if setting not in settings:
+            raise ConfigError(f"{where}: not a setting of the sweep ({', '.join(settings)})")
+        if not isinstance(entry, dict) or set(entry) != {"source", "reading", "seeds", "numbers"}:
+            raise ConfigError(f"{where}: needs exactly source, reading, seeds and numbers")
+        if entry["reading"] not in READINGS:
+            raise ConfigError(f"{where}: reading must be {' or '.join(READINGS)}, not {entry['reading']!r}")
+        if not isinstance(entry["seeds"], int) or isinstance(entry["seeds"], bool) or entry["seeds"] < 2:
+            raise ConfigError(f"{where}: seeds must be a whole number >= 2 (a spread needs two runs), "
+                              f"not {entry['seeds']!r}")
+        numbers = {}
+        for algorithm, pair in (entry["numbers"] or {}).items():
+            if algorithm not in algorithms:
+                raise ConfigError(f"{where}: numbers names {algorithm!r}, not an algorithm of the sweep "
+                                  f"({', '.join(algorithms)})")
+            ok = (isinstance(pair, list) and len(pair) == 2
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+                  and 0 <= pair[0] <= 100 and pair[1] >= 0)
+            if not ok:
+                raise ConfigError(f"{where}: {algorithm} must be [mean, std], an accuracy in % (0-100) and a "
+                                  f"std >= 0, not {pair!r}")
+            numbers[algorithm] = (float(pair[0]), float(pair[1]))
+        out[setting] = {"source": str(entry["source"]).strip(), "reading": entry["reading"],
+                        "seeds": entry["seeds"], "numbers": numbers}
+    return out
+
+
+def welch_p(m1: float, s1: float, n1: int, m2: float, s2: float, n2: int) -> float:
+    """Welch's two-sided p-value for equal means from two samples' means, standard
+    deviations (n-1) and sizes; with no spread on either side: 1 if the means are equal, else 0."""
+    from scipy.stats import ttest_ind_from_stats
+
+    if s1 == 0 and s2 == 0:
+        return 1.0 if m1 == m2 else 0.0
+    return float(ttest_ind_from_stats(m1, s1, n1, m2, s2, n2, equal_var=False).pvalue)
+
+
+def judge(values: list[float], published: tuple[float, float], seeds: int) -> dict:
+    """One cell: raysim's run values (%) against a published (mean, std) of `seeds` runs:
+    {mean, std, n, p, within}; p and within None with fewer than 2 runs (no spread to test)."""
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "std": None, "n": 0, "p": None, "within": None}
+    m, s = mean_std(values)
+    if n < 2:
+        return {"mean": m, "std": s, "n": n, "p": None, "within": None}
+    p = welch_p(m, s, n, published[0], published[1], seeds)
+    return {"mean": m, "std": s, "n": n, "p": p, "within": p >= ALPHA}
+
+
+def section(published: dict, runs: Callable[[str, str, str], list], seeds: int,
+            note: Callable[[str, str], str]) -> list[str]:
+    """The document's opening section: per setting, a row per published number.
+    `runs(setting, algorithm, reading)`: raysim's finished runs' accuracies (%) by a reading
+    (best | final), None for a run that diverged (it counts in no mean; the cell says so);
+    `seeds`: the seeds the sweep runs a cell; `note(setting, algorithm)`: the cell's note links."""
+    def shown(values: list) -> str:
+        got = [v for v in values if v is not None]
+        gone = len(values) - len(got)
+        text = "-" if not got else "{:.1f} ± {:.1f}".format(*mean_std(got))
+        if got and len(values) < seeds:
+            text += f" ({len(values)}/{seeds})"
+        return text + (f"; {gone} diverged" if gone else "")
+
+    verdicts, unexplained = [], []
+    body = []
+    for setting, entry in published.items():
+        reading = entry["reading"]
+        body += [f"### {setting}", "", f"Published: {entry['source']} (mean ± std of {entry['seeds']} runs, each "
+                 f"read at its {'best round' if reading == 'best' else 'final round'}).", "",
+                 f"| algorithm | raysim, final round | raysim, best round | published ({reading}) | Welch p | "
+                 "within | note |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for algorithm, (pm, ps) in entry["numbers"].items():
+            values = [v for v in runs(setting, algorithm, reading) if v is not None]
+            got = judge(values, (pm, ps), entry["seeds"])
+            verdicts.append(got["within"])
+            if got["within"] is False and not note(setting, algorithm):
+                unexplained.append(f"{setting}/{algorithm}")
+            within = "-" if got["within"] is None else "yes" if got["within"] else "**no**"
+            p = "-" if got["p"] is None else f"{got['p']:.3f}"
+            body.append(f"| {algorithm} | {shown(runs(setting, algorithm, 'final'))} | "
+                        f"{shown(runs(setting, algorithm, 'best'))} | {pm:.2f} ± {ps:.2f} | {p} | {within} | "
+                        f"{note(setting, algorithm)} |")
+        body.append("")
+    judged = [v for v in verdicts if v is not None]
+    head = ["## Beside the published numbers", "",
+            f"**{sum(judged)} of {len(judged)} cells** with 2 or more runs lie within the published spread"
+            + (f" ({len(verdicts) - len(judged)} of {len(verdicts)} not judged yet: fewer than 2 runs)"
+               if len(judged) < len(verdicts) else "") + ". Within: Welch's two-sided t-test from the two means, "
+            f"standard deviations and run counts does not reject equal means at {ALPHA} (raysim's runs read as the "
+            "source reads its own: final or best round). Every \"no\" carries a note with its measured cause.", ""]
+    if unexplained:
+        head += [f"**{len(unexplained)} \"no\" cell(s) without a note yet**: {', '.join(unexplained)}.", ""]
+    return head + body
