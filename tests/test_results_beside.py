@@ -6,7 +6,8 @@ import csv
 import pytest
 
 from raysim.errors import ConfigError
-from raysim.results.beside import judge, read_published, welch_p
+from raysim.results.beside import judge, read_published
+from raysim.results.stats import paired_p, welch_p
 
 SWEEP = """name: t
 fixed: {rounds: 2, num_clients: 6}

@@ -302,12 +302,14 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     from raysim.results.published import RECORD, write_doc
 
     f = tmp_path / "table.yaml"
-    f.write_text(SWEEP)
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1, 2]"))
     (tmp_path / "results").mkdir()
-    rows = [{"setting": "digits", "algorithm": "fedavg", "seed": "0", "status": "finished", "model_sha256": "ab" * 32,
-             "accuracy_curve": "1:0.4000 2:0.5000", "per_client_curve": "1:0.5000 2:0.6000"},
-            {"setting": "digits", "algorithm": "fedper", "seed": "0", "status": "finished", "model_sha256": "cd" * 32,
-             "accuracy_curve": "1:0.1000 2:0.2000", "per_client_curve": "1:0.8000 2:0.9000"}]
+    # per client: FedPer 29-31 points above FedAvg, seed by seed (a paired test: p = 0.0004)
+    owns = {"fedavg": (0.50, 0.55, 0.60), "fedper": (0.79, 0.85, 0.91)}
+    rows = [{"setting": "digits", "algorithm": a, "seed": str(seed), "status": "finished",
+             "model_sha256": f"{seed}{a}".ljust(64, "0"), "accuracy_curve": f"1:0.1000 2:{0.4 if a == 'fedavg' else 0.2}",
+             "per_client_curve": f"1:0.1000 2:{own:.4f}"}
+            for a, values in owns.items() for seed, own in enumerate(values)]
     with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
         w = csv.DictWriter(out, RECORD)
         w.writeheader()
@@ -320,8 +322,9 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     fedper = next(line for line in text.splitlines() if line.startswith("| fedper |"))
     assert "[yes](#claim-fedper)" in fedper  # 85.0 per client against FedAvg's 55.0
     assert "[n/c](#claim-fedavg)" in next(line for line in text.splitlines() if line.startswith("| fedavg |"))
-    assert ("in 1 cells the table reproduces its paper's direction, in **0 it does not**, in 0 the two are within "
-            "their seeds' spread (a tie: the table cannot order them), 1 are not comparable") in text
+    assert ("in 1 cells the table reproduces its paper's direction, in **0 it does not**, in 0 its seeds cannot tell "
+            "(undecided: a paired t-test over the seeds, two-sided at 0.05, does not reject equal means), 1 are not "
+            "comparable") in text
     assert '<a id="claim-fedper"></a>**fedper** (against fedavg, own): FedPer above FedAvg per client (Table 1)' in text
     assert "**fedavg** (against fedper, global; read on syn): a claim about syn" in text
     claims.write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n"
@@ -408,27 +411,46 @@ def test_a_model_made_after_the_last_round_is_the_cell_its_rounds_are_not(tmp_pa
     assert fedper[3].strip().startswith("15.0 ± 0.0")  # its curves' last evaluations, not final_accuracy
 
 
-def test_a_claim_within_the_seeds_spread_is_a_tie(tmp_path):
-    """Two seeds each: FedPer 4 points above FedAvg per client with FedAvg's seeds 7 points
-    apart (std 7.1) is a tie, not a yes; 20 points above is a yes."""
+def test_a_claim_is_decided_by_a_paired_test_over_the_seeds(tmp_path):
+    """Three seeds each, FedPer against FedAvg (55 / 65 / 60, sd 5) per client, worked by hand
+    (t on the differences, 2 degrees of freedom, two-sided 0.05: |t| > 4.303):
+    - differences 3, 3, 4 points: mean 3.33, sd 0.577, t = 10.0, p = 0.0099: yes, where the
+      old rule (means apart by more than the larger sd) said tie: the seeds pair the runs;
+    - differences 13, -1, 6: mean 6.0, sd 7.0, t = 1.48, p = 0.28: undecided at 3 seeds,
+      where the old rule said yes (6 points apart, sds 5 and 2);
+    - differences -5, -5, -6: no; one seed only: undecided at 1 seed; FedPer's seed 2
+      diverged: the two seeds left decide (differences 5, 5: no spread, a yes)."""
     from raysim.results.published import RECORD, write_doc
 
     f = tmp_path / "table.yaml"
-    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1]"))
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1, 2]"))
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "claims.yaml").write_text("fedper: {baseline: fedavg, judge: own, claim: x}\n")
-    for fedper, verdict in (((0.62, 0.66), "tie"), ((0.80, 0.82), "yes")):
-        rows = [{"setting": "digits", "algorithm": a, "seed": str(seed), "status": "finished",
-                 "model_sha256": f"{seed}{a}".ljust(64, "0"), "accuracy_curve": "1:0.5000",
-                 "per_client_curve": f"1:{own:.4f}"}
-                for a, owns in (("fedavg", (0.55, 0.65)), ("fedper", fedper)) for seed, own in enumerate(owns)]
+    fedavg = (0.55, 0.65, 0.60)
+    cases = [((0.58, 0.68, 0.64), None, "yes"), ((0.68, 0.64, 0.66), None, "undecided at 3 seeds"),
+             ((0.50, 0.60, 0.54), None, "no"), ((0.60,), None, "undecided at 1 seed"),
+             ((0.60, 0.70, 0.10), 2, "yes")]
+    for fedper, diverged, verdict in cases:
+        rows = [{"setting": "digits", "algorithm": a, "seed": str(seed), "model_sha256": f"{seed}{a}".ljust(64, "0"),
+                 "status": "diverged" if a == "fedper" and seed == diverged else "finished",
+                 "accuracy_curve": "1:0.5000", "per_client_curve": f"1:{own:.4f}"}
+                for a, owns in (("fedavg", fedavg), ("fedper", fedper)) for seed, own in enumerate(owns)]
         with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
             w = csv.DictWriter(out, RECORD)
             w.writeheader()
             w.writerows(rows)
         write_doc(f, tmp_path / "results.md", tmp_path / "runs")
         line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith("| fedper |"))
-        assert f"[{verdict}](#claim-fedper)" in line
+        assert f"[{verdict}](#claim-fedper)" in line, (fedper, line)
+
+
+def test_the_paired_p_value_on_numbers_worked_by_hand():
+    from raysim.results.stats import paired_p
+
+    assert paired_p([58, 68, 64], [55, 65, 60]) == pytest.approx(0.0099, abs=1e-4)  # t = 10.0, df 2
+    assert paired_p([68, 64, 66], [55, 65, 60]) == pytest.approx(0.276, abs=1e-3)  # t = 1.48
+    assert paired_p([60, 70], [55, 65]) == 0.0 and paired_p([55, 65], [55, 65]) == 1.0  # no spread in the differences
+    assert paired_p([60], [55]) is None
 
 
 def test_the_header_states_the_regeneration_cost_of_tuning_and_table_runs(tmp_path):

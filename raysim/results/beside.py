@@ -22,9 +22,9 @@ from typing import Callable
 
 from raysim.errors import ConfigError
 from raysim.results.runs import mean_std
+from raysim.results.stats import LEVEL as ALPHA, welch_p
 
 READINGS = ("best", "final")
-ALPHA = 0.05
 
 
 def read_published(path: Path, settings: list, algorithms: list) -> dict:
@@ -64,16 +64,6 @@ def read_published(path: Path, settings: list, algorithms: list) -> dict:
         out[setting] = {"source": str(entry["source"]).strip(), "reading": entry["reading"],
                         "seeds": entry["seeds"], "numbers": numbers}
     return out
-
-
-def welch_p(m1: float, s1: float, n1: int, m2: float, s2: float, n2: int) -> float:
-    """Welch's two-sided p-value for equal means from two samples' means, standard
-    deviations (n-1) and sizes; with no spread on either side: 1 if the means are equal, else 0."""
-    from scipy.stats import ttest_ind_from_stats
-
-    if s1 == 0 and s2 == 0:
-        return 1.0 if m1 == m2 else 0.0
-    return float(ttest_ind_from_stats(m1, s1, n1, m2, s2, n2, equal_var=False).pvalue)
 
 
 def judge(values: list[float], published: tuple[float, float], seeds: int) -> dict:

@@ -35,6 +35,7 @@ from pathlib import Path
 from raysim.errors import ConfigError
 from raysim.results.beside import read_published, section as beside_section
 from raysim.results.runs import mean_std
+from raysim.results.stats import LEVEL, paired_p
 
 AXES = ("setting", "algorithm", "seed")
 WHERE = ("output_dir", "run_name", "resume")  # config keys that say where a run was written, not what it is
@@ -278,18 +279,19 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     index = {(p["setting"], p["algorithm"]): [] for p in plan["points"]}
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
-    means = {key: _cell_means(points, last) for key, points in index.items()}
+    per_seed = {key: _cell_seeds(points, last) for key, points in index.items()}
     if published:
         def runs(setting: str, algorithm: str, reading: str) -> list:
             return [None if p["record"].get("status") == "diverged" else
                     100 * _accuracy(p["record"], False, 0 if reading == "best" else 1)
                     for p in index.get((setting, algorithm), []) if p["record"] is not None]
         lines += beside_section(published, runs, len(plan["seeds"]), note)
-    verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], means) for key in index}
-    counted = {v: sum(x == v for x in verdicts.values()) for v in ("yes", "no", "tie", "n/c")}
+    verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], per_seed) for key in index}
+    counted = {v: sum(x.startswith(v) for x in verdicts.values()) for v in ("yes", "no", "undecided", "n/c")}
     lines += [] if not claims else [f"**The papers' claims** (each method's headline comparison, [below](#the-papers-claims)): in "
               f"{counted['yes']} cells the table reproduces its paper's direction, in **{counted['no']} it does not**, "
-              f"in {counted['tie']} the two are within their seeds' spread (a tie: the table cannot order them), "
+              f"in {counted['undecided']} its seeds cannot tell (undecided: a paired t-test over the seeds, two-sided "
+              f"at {LEVEL}, does not reject equal means), "
               f"{counted['n/c']} are not comparable (another setting or metric), "
               f"{sum(v == '-' for v in verdicts.values())} have no claim of their own (the baselines, the rows that measure a cause) or no runs.", ""]
     unexplained = [f"{s}/{a}" for (s, a), v in sorted(verdicts.items()) if v == "no"
@@ -350,9 +352,10 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         lines += ["## The papers' claims", "", "Each method's paper's headline comparison, and the column of this "
                   "table it is read against (*global* or *per client*): a cell says **yes** where the method's mean "
                   "there is above its baseline's in the same setting (below, for a claim that the method trails), "
-                  "**no** where it is not (or every run diverged), *tie* where the two means are no further apart "
-                  "than the larger of their seeds' standard deviations, *n/c* where the claim is about another kind "
-                  "of setting. Every \"no\" carries a note with its measured cause or fix.", ""]
+                  "**no** where it is not (or every run diverged), *undecided at N seeds* where they cannot tell, "
+                  f"*n/c* where the claim is about another kind of setting. Decided by a paired t-test over the seeds "
+                  f"both cells ran (a seed is the same partition and initial model for both; scipy's ttest_rel), "
+                  f"two-sided at {LEVEL}: yes or no only where it rejects equal means. Every \"no\" carries a note with its measured cause or fix.", ""]
         lines += [f'<a id="claim-{a}"></a>**{a}** ({"below" if c["direction"] == "below" else "against"} '
                   f'{c["baseline"]}, {c["judge"]}{_where(c["settings"])}): {c["claim"]}\n' for a, c in claims.items()]
     if numbered:
@@ -402,40 +405,42 @@ def read_claims(path: Path, settings: list, algorithms: list) -> dict:
     return out
 
 
-def _cell_means(points: list, last: int) -> tuple | None:
-    """(global mean, per-client mean, global std, per-client std) over a cell's runs that did
-    not diverge (std 0 for one run); Nones when every run diverged; None when none ran."""
-    ran = [p["record"] for p in points if p["record"] is not None]
+def _cell_seeds(points: list, last: int) -> dict | None:
+    """{seed: (global, per-client accuracy)} of a cell's finished runs, (None, None) for a
+    run that diverged; None when none ran."""
+    ran = [p for p in points if p["record"] is not None]
     if not ran:
         return None
-    ok = [r for r in ran if r.get("status") != "diverged"]
-
-    def stats(own: bool):
-        v = [x for x in (_accuracy(r, own, last) for r in ok) if x is not None]
-        return mean_std(v) if v else (None, None)
-    (g, gs), (o, os_) = stats(False), stats(True)
-    return g, o, gs, os_
+    return {str(p["seed"]): (None, None) if p["record"].get("status") == "diverged" else
+            (_accuracy(p["record"], False, last), _accuracy(p["record"], True, last)) for p in ran}
 
 
-def _verdict(claim: dict | None, setting: str, algorithm: str, means: dict) -> str:
-    """yes / no / tie / n/c for a cell against its paper's claim ('-' without a claim or runs):
-    tie where the two means are no further apart than the larger of their seeds' spreads
-    (std; one seed has none), so the table cannot tell their order."""
+def _verdict(claim: dict | None, setting: str, algorithm: str, seeds: dict) -> str:
+    """yes / no / "undecided at N seeds" / n/c for a cell against its paper's claim ('-'
+    without a claim or runs), by a paired t-test over the seeds both cells ran without
+    diverging (stats.paired_p, two-sided at stats.LEVEL): yes or no where it rejects equal
+    means, by the side the mean difference lies on; "no" where every run of the method
+    diverged and the baseline's did not."""
     if claim is None:
         return "-"
     if claim["settings"] is not None and setting not in claim["settings"]:
         return "n/c"
-    mine, base = means.get((setting, algorithm)), means.get((setting, claim["baseline"]))
+    mine, base = seeds.get((setting, algorithm)), seeds.get((setting, claim["baseline"]))
     if mine is None or base is None:
         return "-"
     i = 0 if claim["judge"] == "global" else 1
-    if base[i] is None:
+    mine = {s: v[i] for s, v in mine.items() if v[i] is not None}
+    base = {s: v[i] for s, v in base.items() if v[i] is not None}
+    if not base:
         return "-"
-    if mine[i] is None:
+    if not mine:
         return "no"
-    if abs(mine[i] - base[i]) <= max(mine[i + 2] or 0.0, base[i + 2] or 0.0):
-        return "tie"
-    return "yes" if (mine[i] > base[i] if claim["direction"] == "above" else mine[i] < base[i]) else "no"
+    pairs = sorted(set(mine) & set(base))
+    p = paired_p([mine[s] for s in pairs], [base[s] for s in pairs])
+    if p is None or p >= LEVEL:
+        return f"undecided at {len(pairs)} seed{'s' if len(pairs) != 1 else ''}"
+    above = sum(mine[s] - base[s] for s in pairs) > 0
+    return "yes" if above == (claim["direction"] == "above") else "no"
 
 
 def _where(settings: list | None) -> str:
