@@ -100,7 +100,7 @@ def test_the_published_table_runs_its_sweep_once_and_documents_every_cell(tmp_pa
 
     # --verify: rows re-run from their linked configs give the recorded bits; a row whose hash
     # was changed does not, and says so
-    rc = table(["--sweep", str(f), "--doc", str(doc), "--verify", "2"])
+    rc = table(["--sweep", str(f), "--doc", str(doc), "--verify", "2", "--draw", "1"])
     assert rc == 0
     tampered = listed.read_text().replace(want_hash := again[0]["model_sha256"], "0" * 64)
     listed.write_text(tampered)
@@ -517,3 +517,51 @@ def test_the_table_says_which_cells_the_sweep_file_sets_keys_for(tmp_path):
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     assert ("Set for some cells only (the sweep file's `cells`, each with its reason there): setting digits and "
             "algorithm fedper: local.lr = 0.05.") in (tmp_path / "results.md").read_text()
+
+
+def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_processor(tmp_path):
+    """--verify (issue 84): five rows of one real run, each re-run from its linked config:
+    as recorded (the same bits); made at another commit (said, and still the same bits);
+    a config hash that is not the linked config's (a failure); another processor (its
+    accuracy reported beside the row's, neither passed nor failed)."""
+    from raysim.results.published import RECORD, _write_config
+    from raysim.results.verify import verify
+
+    assert run(["dataset=digits", "model=mlp", "model_options.hidden=[16]", "rounds=2", "num_clients=6",
+                "participation=0.5", "seed=0", f"output_dir={tmp_path / 'made'}", "run_name=r", "--quiet"]) == 0
+    summary = json.loads((tmp_path / "made" / "r" / "summary.json").read_text())
+    side = tmp_path / "paper"
+    row = {"setting": "digits", "seed": "0", "status": "finished", "final_accuracy": summary["final_accuracy"],
+           "model_sha256": summary["model_sha256"], "raysim_commit": summary["raysim_commit"],
+           "config_sha256": summary["config_sha256"], "client_processors": "; ".join(summary["client_processors"])}
+    variants = {"a": {}, "b": {"raysim_commit": "f" * 40}, "c": {"config_sha256": "0" * 64},
+                "d": {"client_processors": "Another CPU (AVX2), torch 1.0"},
+                "e": {"client_processors": re.sub(r" \([A-Z0-9_]+\),", ",", row["client_processors"])}}
+    for name in variants:
+        _write_config(tmp_path / "made" / "r", side / "digits" / f"{name}.yaml", {})
+    with (side / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows({**row, "algorithm": name, **change} for name, change in variants.items())
+    said = []
+    got = {r["row"][1]: r for r in verify(tmp_path / "paper.md", 5, draw=5, say=said.append)}
+    assert got["a"]["ok"] is True and got["a"]["what"] == "the same bits" and got["a"]["same_commit"]
+    assert got["b"]["ok"] is True and got["b"]["what"].startswith("the same bits (re-run at HEAD ")
+    assert got["b"]["what"].endswith("the row made at ffffffffffff)") and not got["b"]["same_commit"]
+    assert got["c"]["ok"] is False and got["c"]["what"].startswith("DIFFERENT config: the linked config hashes to "
+                                                                   f"{summary['config_sha256'][:12]}")
+    assert got["d"]["ok"] is None and got["d"]["same_machine"] is False
+    assert "not the row's Another CPU (AVX2), torch 1.0: final accuracy" in got["d"]["what"]
+    assert "(+0.00 points; the cell's seeds' std 0.00 points over 1 runs)" in got["d"]["what"]
+    # a row of before the instruction set was recorded: compared on the processor's name
+    assert got["e"]["ok"] is True and "the row names no instruction set; here: " in got["e"]["what"]
+    assert len(said) == 10  # a line per row and one per result
+
+
+def test_the_processor_names_the_instruction_set_torch_uses():
+    """Two "AMD EPYC" machines, one with AVX512, give other bits (issue 84): the processor
+    a run records says which vector kernels torch chose (ATEN_CPU_CAPABILITY lowers them)."""
+    code = "from raysim.runtime.determinism import processor; print(processor('cpu'))"
+    low = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": "default"})
+    assert low.returncode == 0 and low.stdout.strip().endswith("(DEFAULT)"), low.stderr

@@ -1,16 +1,23 @@
-"""`python -m raysim.results.table --sweep F --doc D --verify N`: re-run N rows of the published
-table from the configs it links and say whether they come out as recorded (issue 72).
+"""`python -m raysim.results.table --sweep F --doc D --verify N [--draw K]`: re-run N rows of a
+published table from the configs it links and say whether they come out as recorded (issues
+72, 84).
 
-A row is drawn at random (seeded), run again from `<doc dir>/results/<setting>/<algorithm>.yaml`
-at its seed, and compared with its row of runs.csv: on the same processor and torch build as
-the row was made on (its `client_processors`) the model must be the same bits
-(`model_sha256`); elsewhere float rounding differs, and the accuracy must fall within the
-cell's spread over its seeds (from the lowest seed's accuracy less one standard deviation to
-the highest's plus one)."""
+Rows are drawn at random (seeded by `draw`, so another draw checks other rows), each run again
+from `<side>/<setting>/<algorithm>.yaml` at its seed, and compared with its row of runs.csv:
+
+- the config: the re-run's `config_sha256` must be the row's (else the linked config is not
+  the run the row records: a failure);
+- the code: a re-run is made by the raysim it runs under (HEAD); a row made at another commit
+  is said to be (its bits may differ by a code change, not only by the machine);
+- the bits: on the processor, instruction set and torch build the row was made on (its
+  `client_processors`) the model must be the same bits (`model_sha256`); elsewhere float
+  rounding differs and nothing is passed or failed: the re-run's final accuracy is reported
+  beside the row's, with the cell's seeds' standard deviation to read the difference by."""
 from __future__ import annotations
 
 import json
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -18,10 +25,14 @@ from raysim.errors import ConfigError
 from raysim.results.published import read_records
 from raysim.results.runs import mean_std
 
+_CAPABILITY = re.compile(r" \([A-Z0-9_]+\)(?=,)")  # "AMD EPYC (AVX512), torch ..." -> "AMD EPYC, torch ..."
+
 
 def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
-    """Re-run `n` random rows of `doc`'s runs.csv; one result per row: {row, same_machine,
-    ok, what}."""
+    """Re-run `n` random rows (`draw`: the draw's seed) of `doc`'s runs.csv; one result per
+    row: {row, same_machine, same_commit, ok (True / False / None: not judged, another
+    processor), what}."""
+    from raysim.provenance import code_version
     from raysim.run import main as run
 
     side = doc.with_suffix("")  # the folder beside the document (published.write_doc)
@@ -29,6 +40,7 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
     if not rows:
         raise ConfigError(f"--verify: {side / 'runs.csv'} has no runs; make the table first")
     keys = random.Random(draw).sample(sorted(rows), min(n, len(rows)))
+    head = code_version()
     out = []
     with tempfile.TemporaryDirectory(prefix="raysim-verify-") as tmp:
         for i, key in enumerate(keys):
@@ -41,24 +53,41 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
             rc = run(["--config", str(config), f"seed={seed}", f"output_dir={tmp}", f"run_name=r{i}", "--quiet"])
             summary_file = Path(tmp) / f"r{i}" / "summary.json"
             if not summary_file.is_file():
-                out.append({"row": key, "same_machine": None, "ok": False, "what": f"the run failed (exit {rc})"})
+                out.append({"row": key, "same_machine": None, "same_commit": None, "ok": False,
+                            "what": f"the run failed (exit {rc})"})
+                say(f"  {out[-1]['what']}")
                 continue
             again = json.loads(summary_file.read_text())
+            made_at = row.get("raysim_commit") or "not recorded"
+            same_commit = made_at == head
+            commit = "" if same_commit else f" (re-run at HEAD {head[:12]}, the row made at {made_at[:12]})"
+            if row.get("config_sha256") and again.get("config_sha256") != row["config_sha256"]:
+                what = (f"DIFFERENT config: the linked config hashes to {str(again.get('config_sha256'))[:12]}, "
+                        f"the row's run to {row['config_sha256'][:12]}{commit}")
+                out.append({"row": key, "same_machine": None, "same_commit": same_commit, "ok": False, "what": what})
+                say(f"  {what}")
+                continue
             here = "; ".join(again.get("client_processors") or [])
-            same = here == (row.get("client_processors") or "")
+            recorded = row.get("client_processors") or ""
+            # a row of before issue 84 names no instruction set: its bits are compared on the name
+            unnamed = here != recorded and _CAPABILITY.sub("", here) == recorded
+            same = here == recorded or unnamed
             if same:
                 ok = again.get("model_sha256") == row.get("model_sha256")
-                what = "the same bits" if ok else (f"DIFFERENT bits ({str(again.get('model_sha256'))[:12]} against "
-                                                   f"{str(row.get('model_sha256'))[:12]})")
+                what = ("the same bits" if ok else (f"DIFFERENT bits ({str(again.get('model_sha256'))[:12]} against "
+                                                    f"{str(row.get('model_sha256'))[:12]})")) + commit
+                what += f" (the row names no instruction set; here: {here})" if unnamed else ""
             else:
+                ok = None
                 cell = [r["final_accuracy"] for k, r in rows.items() if k[:2] == key[:2] and
                         r.get("final_accuracy") is not None]
                 _, std = mean_std(cell)
-                low, high = min(cell) - std, max(cell) + std
-                acc = again.get("final_accuracy")
-                ok = acc is not None and low <= acc <= high
-                what = (f"on {here}, not {row.get('client_processors')}: final accuracy {acc:.4f} "
-                        f"{'within' if ok else 'OUTSIDE'} the seeds' spread [{low:.4f}, {high:.4f}]")
+                acc, was = again.get("final_accuracy"), row.get("final_accuracy")
+                diff = (f"{100 * (acc - was):+.2f} points" if acc is not None and was is not None else "not comparable")
+                what = (f"not judged: on {here}, not the row's {row.get('client_processors') or 'unrecorded processor'}: "
+                        f"final accuracy {acc if acc is None else f'{acc:.4f}'} against the row's "
+                        f"{was if was is None else f'{was:.4f}'} ({diff}; the cell's seeds' std "
+                        f"{100 * std:.2f} points over {len(cell)} runs){commit}")
             say(f"  {what}")
-            out.append({"row": key, "same_machine": same, "ok": ok, "what": what})
+            out.append({"row": key, "same_machine": same, "same_commit": same_commit, "ok": ok, "what": what})
     return out

@@ -85,8 +85,11 @@ def _deterministic_algorithms(torch, on: bool) -> None:
 
 def processor(device) -> str:
     """What computes a process's bits besides torch's build: the GPU's name on CUDA, else the
-    CPU's model (/proc/cpuinfo's `model name`): one config on an AMD EPYC and an Intel Xeon
-    gives other bits (their float kernels add in other orders), so a hash says where it came from."""
+    CPU's model (/proc/cpuinfo's `model name`) and the vector instructions torch's kernels use
+    (`torch.backends.cpu.get_cpu_capability()`, which ATEN_CPU_CAPABILITY can lower): one
+    config on an AMD EPYC and an Intel Xeon gives other bits (their float kernels add in other
+    orders), and so do two "AMD EPYC" machines of which one has AVX512 (issue 84), so a hash
+    says where it came from: "AMD EPYC (AVX512)"."""
     import platform
 
     import torch
@@ -98,7 +101,9 @@ def processor(device) -> str:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         names = []
-    return (names[0] if names else platform.processor()) or platform.machine()
+    name = (names[0] if names else platform.processor()) or platform.machine()
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    return f"{name} ({capability})" if capability else name
 
 
 def settings() -> dict:
