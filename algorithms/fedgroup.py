@@ -45,8 +45,8 @@ Our columns sit 4-9 points under the paper's, FedAvg's included; 200 rounds and 
 90/10 split do not close it, the draw of the synthetic data does most of it: FedAvg's best
 is 62.8 on seed 0 and 71.3 on seed 59, a draw of the paper's size (77,684 samples; the
 paper's 75,349), against the paper's 74.7; on that draw IFCA scores 94.9 (paper 95.5),
-FGP-EDC 91.8 (92.1), FeSEM 93.9 (92.1) and FG-EDC 91.3 (paper 87.4, or 88.4 by the other
-reading of its row; 85.2 with the authors' 50-step pre-training, the default since issue 71):
+FGP-EDC 91.8 (87.4), FeSEM 93.9 (92.1) and FG-EDC 91.3 (88.4; the paper's Synthetic row lost a
+cell, its arrows against FeSEM place these; 85.2 with the authors' 50-step pre-training, the default since issue 71):
 within a few points (benchmarks/README.md, "FedGroup's set-up
 against the paper's"). With alpha * m >= the number of clients every client is
 pre-trained, so `cold_clients=random` (RAC) is FG-EDC itself.
