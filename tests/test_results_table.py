@@ -565,3 +565,55 @@ def test_the_processor_names_the_instruction_set_torch_uses():
     low = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": "default"})
     assert low.returncode == 0 and low.stdout.strip().endswith("(DEFAULT)"), low.stderr
+
+
+def test_a_speed_claim_is_read_in_rounds_to_a_target_and_a_two_sided_claim_on_both_columns(tmp_path):
+    """Issue 84: a claim of fewer rounds is read as the rounds each run takes to reach a share
+    of the baseline's accuracy (here 90 % of FedAvg's final 0.90: 0.81), paired over seeds;
+    `judge: both` (FedRoD's generic and personal halves) says yes only where both columns do;
+    `also_against` shows a second baseline's verdict beside the first. Worked by hand:
+    FedAvg reaches 0.81 at rounds 15, 15, 10; FedPer at 5, 5, 5: differences -10, -10, -5,
+    t = -5.0 with 2 df, p = 0.038: fewer rounds, a yes."""
+    from raysim.errors import ConfigError
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1, 2]").replace("[fedavg, fedper]", "[fedavg, fedper, fedrep]"))
+    (tmp_path / "results").mkdir()
+    glob = {"fedavg": ["5:0.5000 10:0.8000 15:0.9000", "5:0.5000 10:0.8000 15:0.9000", "5:0.5000 10:0.8200 15:0.9000"],
+            "fedper": ["5:0.8500 10:0.5000 15:0.5000", "5:0.8600 10:0.5100 15:0.5000", "5:0.8700 10:0.5000 15:0.5200"],
+            "fedrep": ["5:0.1000 10:0.1000 15:0.1000"] * 3}
+    own = {"fedavg": [0.60, 0.62, 0.64], "fedper": [0.80, 0.81, 0.83], "fedrep": [0.90, 0.91, 0.93]}
+    rows = [{"setting": "digits", "algorithm": a, "seed": str(s), "status": "finished", "model_sha256": f"{s}{a}".ljust(64, "0"),
+             "accuracy_curve": glob[a][s], "per_client_curve": f"15:{own[a][s]:.4f}"} for a in glob for s in range(3)]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    claims = tmp_path / "results" / "claims.yaml"
+
+    def verdict(text: str, who: str = "fedper") -> str:
+        claims.write_text(text)
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs", last=1)
+        line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith(f"| {who} |"))
+        return line.split(" | ")[-2]
+
+    assert verdict("fedper: {baseline: fedavg, judge: global, measure: rounds_to_target, target: 0.9, "
+                   "direction: below, claim: fewer rounds}") == "[yes](#claim-fedper)"
+    assert "(below fedavg, global; rounds to 90 % of fedavg's accuracy, fewer claimed): fewer rounds" in \
+        (tmp_path / "results.md").read_text()
+    # its final accuracy is under FedAvg's (0.50 against 0.90): read on accuracy, the same claim is a no
+    assert verdict("fedper: {baseline: fedavg, judge: global, direction: above, claim: x}") == "[no](#claim-fedper)"
+    # both halves: per client above FedAvg (yes), globally under it (no): no
+    assert verdict("fedper: {baseline: fedavg, judge: both, claim: x}") == "[no](#claim-fedper)"
+    assert verdict("fedper: {baseline: fedavg, judge: own, claim: x}") == "[yes](#claim-fedper)"
+    # a second baseline beside the first: FedRep per client above FedAvg and above FedPer
+    assert verdict("fedrep: {baseline: fedavg, judge: own, also_against: fedper, claim: x}", "fedrep") == \
+        "[yes](#claim-fedrep); vs fedper: yes"
+    for bad, says in (("{baseline: fedavg, judge: own, claim: x, target: 0.9}", "target (a fraction in (0, 1]"),
+                      ("{baseline: fedavg, judge: own, claim: x, measure: rounds_to_target, target: 2}", "got 2"),
+                      ("{baseline: fedavg, judge: own, claim: x, measure: speed}", "measure must be one of accuracy"),
+                      ("{baseline: fedavg, judge: own, claim: x, also_against: local}", "also_against names 'local'"),
+                      ("{baseline: fedavg, judge: own, claim: x, vs: fedrep}", "unknown key(s) vs")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            verdict(f"fedper: {bad}\n")

@@ -279,14 +279,13 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     index = {(p["setting"], p["algorithm"]): [] for p in plan["points"]}
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
-    per_seed = {key: _cell_seeds(points, last) for key, points in index.items()}
     if published:
         def runs(setting: str, algorithm: str, reading: str) -> list:
             return [None if p["record"].get("status") == "diverged" else
                     100 * _accuracy(p["record"], False, 0 if reading == "best" else 1)
                     for p in index.get((setting, algorithm), []) if p["record"] is not None]
         lines += beside_section(published, runs, len(plan["seeds"]), note)
-    verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], per_seed) for key in index}
+    verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], index, last) for key in index}
     counted = {v: sum(x.startswith(v) for x in verdicts.values()) for v in ("yes", "no", "undecided", "n/c")}
     lines += [] if not claims else [f"**The papers' claims** (each method's headline comparison, [below](#the-papers-claims)): in "
               f"{counted['yes']} cells the table reproduces its paper's direction, in **{counted['no']} it does not**, "
@@ -298,6 +297,13 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
                    and f"{s}/{a}" not in notes and f"*/{a}" not in notes]
     if unexplained:  # every "no" is to carry its fix or measured cause (docs/results/notes.yaml)
         lines += [f"**{len(unexplained)} \"no\" cell(s) without a note yet**: {', '.join(unexplained)}.", ""]
+    def also(setting: str, algorithm: str) -> str:
+        """The verdict against the claim's second baseline (also_against), beside the first."""
+        c = claims.get(algorithm)
+        if not c or not c["also_against"] or verdicts[(setting, algorithm)] in ("-", "n/c"):
+            return ""
+        c = {**c, "judge": "own" if c["judge"] == "both" else c["judge"]}  # a second baseline: the clients' side
+        return f"; vs {c['also_against']}: {_verdict(c, setting, algorithm, index, last, c['also_against'])}"
     records = []
     for setting in plan["settings"]:
         picture = _setting_figure(setting, [p for p in plan["points"] if p["setting"] == setting and p["record"]],
@@ -333,7 +339,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             tuned = next((p["record"].get("tuned") for p in ran if p["record"].get("tuned")), None) or "-"
             lines.append(f"| {link} | {tuned} | {glob}{mark if glob != '-' else ''}{gone if glob != '-' else ''} | "
                          f"{glob_best} | {own}{gone if own != '-' else ''} | {own_best} | {mib} | {sim} | "
-                         f"{_verdict_link(verdicts[(setting, algorithm)], algorithm)} | {note(setting, algorithm)} |")
+                         f"{_verdict_link(verdicts[(setting, algorithm)], algorithm)}{also(setting, algorithm)} | "
+                         f"{note(setting, algorithm)} |")
             records += [p["record"] for p in ran]
         lines.append("")
     if plan["skipped"]:
@@ -357,7 +364,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
                   f"both cells ran (a seed is the same partition and initial model for both; scipy's ttest_rel), "
                   f"two-sided at {LEVEL}: yes or no only where it rejects equal means. Every \"no\" carries a note with its measured cause or fix.", ""]
         lines += [f'<a id="claim-{a}"></a>**{a}** ({"below" if c["direction"] == "below" else "against"} '
-                  f'{c["baseline"]}, {c["judge"]}{_where(c["settings"])}): {c["claim"]}\n' for a, c in claims.items()]
+                  f'{c["baseline"]}, {c["judge"]}{_measure(c)}{_where(c["settings"])}): {c["claim"]}\n'
+                  for a, c in claims.items()]
     if numbered:
         lines += ["## Notes", "", "Why a cell trails FedAvg's in its setting, or what it must be compared with, as "
                   "measured (\"sweep ... X=Y\": the cell's point with one key changed, `python -m raysim.sweep "
@@ -375,72 +383,136 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     return {"runs": len(plan["points"]), "done": len(done)}
 
 
+MEASURES = ("accuracy", "rounds_to_target")
+
+
 def read_claims(path: Path, settings: list, algorithms: list) -> dict:
-    """claims.yaml: {algorithm: {baseline, judge (global | own), claim (text: the paper's
-    comparison, its numbers, table and page), settings (where comparable; default all; []:
-    none of the table's, the claim is about another kind of setting), direction (above, the
-    default: the paper has the method above its baseline | below)}}."""
+    """claims.yaml: {algorithm: {baseline, judge (global | own | both: a claim on the server's
+    model and the clients' together, FedRoD's), claim (text: the paper's comparison, its
+    numbers, table and page), settings (where comparable; default all; []: none of the
+    table's, the claim is about another kind of setting), direction (above, the default: the
+    paper has the method above its baseline | below), measure (accuracy, the default |
+    rounds_to_target: a speed claim, read as the rounds each run takes to reach `target` times
+    the baseline cell's mean accuracy, "below" meaning fewer), also_against (a second
+    baseline whose verdict the cell shows beside: the Local row for personalised methods)}}."""
     if not path.is_file():
         return {}
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
     out = {}
+    known = {"baseline", "judge", "claim", "settings", "direction", "measure", "target", "also_against"}
     for a, c in raw.items():
         where = f"{path}: {a}"
         if a not in algorithms:
             raise ConfigError(f"{where}: not an algorithm of the table ({', '.join(algorithms)})")
         if not isinstance(c, dict) or not {"baseline", "judge", "claim"} <= set(c):
-            raise ConfigError(f"{where}: needs baseline, judge (global | own) and claim")
-        if c["baseline"] not in algorithms or c["judge"] not in ("global", "own"):
-            raise ConfigError(f"{where}: baseline must be an algorithm of the table and judge global or own")
+            raise ConfigError(f"{where}: needs baseline, judge (global | own | both) and claim")
+        if set(c) - known:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(set(c) - known))}; allowed: "
+                              f"{', '.join(sorted(known))}")
+        if c["baseline"] not in algorithms or c["judge"] not in ("global", "own", "both"):
+            raise ConfigError(f"{where}: baseline must be an algorithm of the table and judge global, own or both")
+        if c.get("also_against") is not None and c["also_against"] not in algorithms:
+            raise ConfigError(f"{where}: also_against names {c['also_against']!r}, not an algorithm of the table")
         bad = [x for x in c.get("settings") or [] if x not in settings]
         if bad:
             raise ConfigError(f"{where}: settings names {bad[0]!r}, not one of {', '.join(settings)}")
         if c.get("direction", "above") not in ("above", "below"):
             raise ConfigError(f"{where}: direction must be above or below, not {c['direction']!r}")
+        measure = c.get("measure", "accuracy")
+        if measure not in MEASURES:
+            raise ConfigError(f"{where}: measure must be one of {', '.join(MEASURES)}, not {measure!r}")
+        target = c.get("target")
+        if (measure == "rounds_to_target") != (target is not None) or (
+                target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1)):
+            raise ConfigError(f"{where}: target (a fraction in (0, 1] of the baseline's accuracy) goes with "
+                              f"measure rounds_to_target, and only with it; got {target!r}")
         out[a] = {"baseline": c["baseline"], "judge": c["judge"], "claim": str(c["claim"]).strip(),
                   "settings": None if c.get("settings") is None else list(c["settings"]),
-                  "direction": c.get("direction", "above")}
+                  "direction": c.get("direction", "above"), "measure": measure, "target": target,
+                  "also_against": c.get("also_against")}
     return out
 
 
-def _cell_seeds(points: list, last: int) -> dict | None:
-    """{seed: (global, per-client accuracy)} of a cell's finished runs, (None, None) for a
-    run that diverged; None when none ran."""
-    ran = [p for p in points if p["record"] is not None]
-    if not ran:
-        return None
-    return {str(p["seed"]): (None, None) if p["record"].get("status") == "diverged" else
-            (_accuracy(p["record"], False, last), _accuracy(p["record"], True, last)) for p in ran}
+def _values(points: list, own: bool, last: int) -> dict:
+    """{seed: accuracy} of a cell's finished runs (None for a run that diverged)."""
+    return {str(p["seed"]): None if p["record"].get("status") == "diverged" else _accuracy(p["record"], own, last)
+            for p in points if p["record"] is not None}
 
 
-def _verdict(claim: dict | None, setting: str, algorithm: str, seeds: dict) -> str:
+def _rounds_to(points: list, own: bool, level: float) -> dict:
+    """{seed: the first evaluated round whose accuracy reaches `level`} of a cell's finished
+    runs; a run that never does: its last round plus one evaluation interval (beyond its
+    end); None for a run that diverged or has no curve."""
+    out = {}
+    for p in points:
+        if p["record"] is None:
+            continue
+        text = _own_curve(p["record"]) if own else p["record"].get("accuracy_curve")
+        if p["record"].get("status") == "diverged" or not text:
+            out[str(p["seed"])] = None
+            continue
+        curve = [(int(x.split(":")[0]), float(x.split(":")[1])) for x in text.split()]
+        step = curve[-1][0] - curve[-2][0] if len(curve) > 1 else 1
+        out[str(p["seed"])] = next((r for r, v in curve if v >= level), curve[-1][0] + step)
+    return out
+
+
+def _verdict(claim: dict | None, setting: str, algorithm: str, index: dict, last: int,
+             baseline: str | None = None) -> str:
     """yes / no / "undecided at N seeds" / n/c for a cell against its paper's claim ('-'
     without a claim or runs), by a paired t-test over the seeds both cells ran without
     diverging (stats.paired_p, two-sided at stats.LEVEL): yes or no where it rejects equal
     means, by the side the mean difference lies on; "no" where every run of the method
-    diverged and the baseline's did not."""
+    diverged and the baseline's did not. `judge: both`: yes where both columns say yes, no
+    where either says no. `baseline`: another than the claim's (its also_against)."""
     if claim is None:
         return "-"
     if claim["settings"] is not None and setting not in claim["settings"]:
         return "n/c"
-    mine, base = seeds.get((setting, algorithm)), seeds.get((setting, claim["baseline"]))
-    if mine is None or base is None:
+    baseline = baseline or claim["baseline"]
+    mine, base = index.get((setting, algorithm)), index.get((setting, baseline))
+    if not mine or not base or all(p["record"] is None for p in mine) or all(p["record"] is None for p in base):
         return "-"
-    i = 0 if claim["judge"] == "global" else 1
-    mine = {s: v[i] for s, v in mine.items() if v[i] is not None}
-    base = {s: v[i] for s, v in base.items() if v[i] is not None}
-    if not base:
+    if claim["judge"] == "both":
+        halves = [_verdict({**claim, "judge": j}, setting, algorithm, index, last, baseline) for j in ("global", "own")]
+        if "no" in halves:
+            return "no"
+        return "yes" if halves == ["yes", "yes"] else next(h for h in halves if h != "yes")
+    own = claim["judge"] == "own"
+    base_acc = _values(base, own, last)
+    if claim["measure"] == "rounds_to_target":
+        got = [v for v in base_acc.values() if v is not None]
+        if not got:
+            return "-"
+        level = claim["target"] * sum(got) / len(got)
+        mine_v, base_v = _rounds_to(mine, own, level), _rounds_to(base, own, level)
+    else:
+        mine_v, base_v = _values(mine, own, last), base_acc
+    mine_v = {s: v for s, v in mine_v.items() if v is not None}
+    base_v = {s: v for s, v in base_v.items() if v is not None}
+    if not base_v:
         return "-"
-    if not mine:
+    if not mine_v:
         return "no"
-    pairs = sorted(set(mine) & set(base))
-    p = paired_p([mine[s] for s in pairs], [base[s] for s in pairs])
+    pairs = sorted(set(mine_v) & set(base_v))
+    p = paired_p([mine_v[s] for s in pairs], [base_v[s] for s in pairs])
     if p is None or p >= LEVEL:
         return f"undecided at {len(pairs)} seed{'s' if len(pairs) != 1 else ''}"
-    above = sum(mine[s] - base[s] for s in pairs) > 0
+    above = sum(mine_v[s] - base_v[s] for s in pairs) > 0
     return "yes" if above == (claim["direction"] == "above") else "no"
+
+
+def _measure(claim: dict) -> str:
+    """How a claim is read, beyond accuracy: its speed measure and its second baseline."""
+    text = ""
+    if claim["measure"] == "rounds_to_target":
+        text += (f"; rounds to {100 * claim['target']:g} % of {claim['baseline']}'s accuracy, "
+                 f"{'fewer' if claim['direction'] == 'below' else 'more'} claimed")
+    if claim["also_against"]:
+        text += f"; also against {claim['also_against']}"
+    return text
 
 
 def _where(settings: list | None) -> str:
