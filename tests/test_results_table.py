@@ -520,7 +520,7 @@ def test_the_table_says_which_cells_the_sweep_file_sets_keys_for(tmp_path):
 
 
 def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_processor(tmp_path):
-    """--verify (issue 84): five rows of one real run, each re-run from its linked config:
+    """--verify (issue 84): six rows of one real run, each re-run from its linked config:
     as recorded (the same bits); made at another commit (said, and still the same bits);
     a config hash that is not the linked config's (a failure); another processor (its
     accuracy reported beside the row's, neither passed nor failed)."""
@@ -536,7 +536,8 @@ def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_proc
            "config_sha256": summary["config_sha256"], "client_processors": "; ".join(summary["client_processors"])}
     variants = {"a": {}, "b": {"raysim_commit": "f" * 40}, "c": {"config_sha256": "0" * 64},
                 "d": {"client_processors": "Another CPU (AVX2), torch 1.0"},
-                "e": {"client_processors": re.sub(r" \([A-Z0-9_]+\),", ",", row["client_processors"])}}
+                "e": {"client_processors": re.sub(r" \([A-Z0-9_]+\),", ",", row["client_processors"])},
+                "f": {"config_sha256": "0" * 64, "raysim_commit": "f" * 40}}
     for name in variants:
         _write_config(tmp_path / "made" / "r", side / "digits" / f"{name}.yaml", {})
     with (side / "runs.csv").open("w", newline="") as out:
@@ -544,7 +545,7 @@ def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_proc
         w.writeheader()
         w.writerows({**row, "algorithm": name, **change} for name, change in variants.items())
     said = []
-    got = {r["row"][1]: r for r in verify(tmp_path / "paper.md", 5, draw=5, say=said.append)}
+    got = {r["row"][1]: r for r in verify(tmp_path / "paper.md", 6, draw=5, say=said.append)}
     assert got["a"]["ok"] is True and got["a"]["what"] == "the same bits" and got["a"]["same_commit"]
     assert got["b"]["ok"] is True and got["b"]["what"].startswith("the same bits (re-run at HEAD ")
     assert got["b"]["what"].endswith("the row made at ffffffffffff)") and not got["b"]["same_commit"]
@@ -555,7 +556,9 @@ def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_proc
     assert "(+0.00 points; the cell's seeds' std 0.00 points over 1 runs)" in got["d"]["what"]
     # a row of before the instruction set was recorded: compared on the processor's name
     assert got["e"]["ok"] is True and "the row names no instruction set; here: " in got["e"]["what"]
-    assert len(said) == 10  # a line per row and one per result
+    # another hash at another commit: an option added since changes it too, so not judged
+    assert got["f"]["ok"] is None and got["f"]["what"].startswith("not judged: another config hash")
+    assert len(said) == 12  # a line per row and one per result
 
 
 def test_the_processor_names_the_instruction_set_torch_uses():

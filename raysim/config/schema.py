@@ -291,6 +291,9 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     plugins: List[str] = field(default_factory=list)  # extra modules that register plugins
+    # stop a run as diverged when the server's model collapsed to chance without turning non-finite: its test
+    # accuracy <= 1.5 / classes at three evaluations in a row after reaching 3 / classes (issue 84)
+    diverged_collapse: bool = True
     checkpoint_every: int = 10  # write <run dir>/checkpoint.pt every N rounds and after the last (0: never)
     resume: Optional[str] = None  # a run directory: continue that run from its checkpoint
 

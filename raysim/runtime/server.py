@@ -376,7 +376,7 @@ class FederatedServer:
                                "starts it again (no checkpoint yet: checkpoint_every)"))
         t_train, cpu_train = time.time() - t0, time.thread_time() - cpu0
         models = self.algorithm.eval_models()
-        self._check_finite(rnd, extra, models)
+        rms = self._check_finite(rnd, extra, models)
         if self.cfg.eval.tau_norm:  # tau-normalised classifiers, for evaluation only
             models = {name: tau_normalised(m, float(self.cfg.eval.tau_norm)) for name, m in models.items()}
         row: dict = {"round": rnd}
@@ -397,7 +397,10 @@ class FederatedServer:
                 if personal_eval.wanted(self.cfg, self.algorithm):  # each client's own model
                     personal, personal_accuracy = personal_eval.evaluate(self, rnd, models, cids)
                     row.update(personal)
+        self._check_collapse(rnd, row.get("accuracy"))
         row.update(extra)
+        if rms is not None:
+            row["weight_rms"] = rms
         if self.secagg is not None:  # what the secure sum cost, and whether it failed
             row.update(self.secagg.metrics)
             if self.secagg.metrics.get("secagg_failed"):
@@ -473,19 +476,44 @@ class FederatedServer:
                     self.record.log(f"warning: {line}")
         return out
 
-    def _check_finite(self, rnd: int, extra: dict, models: dict) -> None:
+    def _check_finite(self, rnd: int, extra: dict, models: dict) -> float | None:
         """Stop the run when the round's loss or any weight of a model is NaN or infinite:
         every later round would be noise at chance accuracy. The rounds before stay in the
-        run directory, with a summary saying where it stopped (`RunDiverged`, exit 3)."""
+        run directory, with a summary saying where it stopped (`RunDiverged`, exit 3).
+        Returns the first model's weight RMS (metrics.parquet's `weight_rms`: a collapse
+        shows as a jump, 0.124 -> 0.186 in one round of FedDyn's, where its rounds before grew
+        it by under 1 %)."""
         what = [f"{k}={v}" for k, v in extra.items() if isinstance(v, float) and not math.isfinite(v)]
+        first = None
         for name, model in models.items():
-            bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+            state = model.state_dict()
+            bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
             if bad:
                 what.append(f"model {name!r} has non-finite weights ({bad[0]}{' and more' if len(bad) > 1 else ''})")
+            elif first is None:
+                first = weight_rms([v for v in state.values() if v.is_floating_point()])
         if not what:
-            return
+            return first
         hint = type(self.algorithm).divergence_hint(self.cfg)
         self.stop_early(rnd, "diverged", RunDiverged, f"{self.cfg.algorithm} diverged: {'; '.join(what)}. {hint}")
+
+    def _check_collapse(self, rnd: int, accuracy: float | None) -> None:
+        """Stop the run as diverged when the server's model has collapsed to chance without
+        turning non-finite: its test accuracy at most 1.5 / classes at this evaluation and the
+        two before, after it had reached 3 / classes (issue 84: FedDyn's objective ran away
+        below zero, -33 to -160, its accuracy from 96.5 % to 10-14 % and never back; such a
+        run counted as finished). Off with `diverged_collapse=false`, and for a method whose
+        server model is no client's (`Algorithm.unshared`: it may sit at chance by design)."""
+        if accuracy is None or not self.cfg.diverged_collapse or type(self.algorithm).unshared:
+            return
+        before = [r["accuracy"] for r in self.record.writer.rows if r.get("accuracy") is not None]
+        if collapsed([*before, accuracy], self.num_classes):
+            last = [*before[-2:], accuracy]
+            hint = type(self.algorithm).divergence_hint(self.cfg)
+            self.stop_early(rnd, "diverged", RunDiverged,
+                            f"{self.cfg.algorithm} collapsed to chance: test accuracy "
+                            f"{', '.join(f'{a:.3f}' for a in last)} at its last three evaluations, after "
+                            f"{max(before):.3f} (diverged_collapse=false runs on). {hint}")
 
     def _where_trained(self) -> dict:
         """Summary fields: where the client actors ran and what their bits depend on
@@ -650,3 +678,21 @@ def cohort_label_counts(selected: list[int], true_counts, reported: dict) -> np.
         if c in reported:
             total += reported[c]
     return total
+
+
+def weight_rms(tensors: list) -> float:
+    """The root mean square of every entry of `tensors` (a model's floating-point state), in
+    float64: a trained network's is well under 1; one whose weights blew up, orders above."""
+    total = sum(float(t.detach().double().pow(2).sum()) for t in tensors)
+    count = sum(t.numel() for t in tensors)
+    return math.sqrt(total / count) if count else 0.0
+
+
+def collapsed(accuracies: list[float], num_classes: int) -> bool:
+    """A run's test accuracies so far (one per evaluation) say its model collapsed to chance:
+    the last three at most 1.5 / classes, after an earlier one reached 3 / classes."""
+    chance = 1.0 / num_classes
+    earlier, last = accuracies[:-3], accuracies[-3:]
+    eps = 1e-9  # 3 / 10 is 0.30000000000000004 in floats
+    return (len(last) == 3 and bool(earlier) and max(earlier) >= 3 * chance - eps
+            and all(a <= 1.5 * chance + eps for a in last))
