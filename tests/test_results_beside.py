@@ -43,7 +43,7 @@ def test_welchs_test_on_numbers_worked_by_hand():
      "digits: numbers names 'fedrs', not an algorithm of the sweep (fedavg, fedprox)"),
     ("digits: {source: x, reading: best, seeds: 3, numbers: {fedavg: [0.78, 2.5, 3]}}",
      "digits: fedavg must be [mean, std], an accuracy in % (0-100) and a std >= 0"),
-    ("digits: {source: x, reading: best, numbers: {}}", "digits: needs exactly source, reading, seeds and numbers"),
+    ("digits: {source: x, reading: best, numbers: {}}", "digits: needs source, reading, seeds and numbers (and may have diverged_at)"),
 ])
 def test_a_wrong_published_file_is_one_line_naming_it_and_the_key(tmp_path, text, says):
     f = tmp_path / "published.yaml"
@@ -86,3 +86,18 @@ def test_the_document_opens_with_its_cells_beside_the_published_numbers(tmp_path
     write_doc(f, tmp_path / "paper.md", tmp_path / "runs")
     text = (tmp_path / "paper.md").read_text()
     assert "without a note yet" not in text and "| **no** | [note 1](#note-1) |" in text
+    # a run that diverged: in no mean, or, with diverged_at, as the source's code records one
+    rows.append({"setting": "digits", "algorithm": "fedprox", "seed": "2", "status": "diverged",
+                 "model_sha256": "cd" * 32, "accuracy_curve": "1:0.7000"})
+    with (side / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    write_doc(f, tmp_path / "paper.md", tmp_path / "runs")
+    assert "| fedprox | 60.5 ± 0.7; 1 diverged | 61.5 ± 0.7; 1 diverged |" in (tmp_path / "paper.md").read_text()
+    (side / "published.yaml").write_text((side / "published.yaml").read_text().replace("seeds: 3,", "seeds: 3, "
+                                                                                       "diverged_at: 10,"))
+    write_doc(f, tmp_path / "paper.md", tmp_path / "runs")
+    # final: 61, 60 and the diverged run at 10; best: 62, 61 and max(70 before it diverged, 10)
+    assert ("| fedprox | 43.7 ± 29.2; 1 diverged, counted at 10 | 64.3 ± 4.9; 1 diverged, counted at 10 |"
+            in (tmp_path / "paper.md").read_text())

@@ -9,6 +9,8 @@ published.yaml, one entry per setting of the sweep:
       reading: best        # how the source reads a run: best (over the rounds) | final (round)
       seeds: 3             # the runs behind each published mean and std
       numbers: {fedavg: [78.10, 2.51], fedprox: [78.05, 0.99]}   # accuracy %, mean and std
+      diverged_at: 10      # optional: a run of raysim's that diverged counts at this accuracy, as the
+                           # source's code records one (NaN weights predict one class); else in no mean
 
 Each cell shows raysim's final-round and best-round accuracy (mean ± std over its seeds) and
 the published mean ± std, and is judged by the source's own reading: raysim's mean lies within
@@ -42,8 +44,12 @@ def read_published(path: Path, settings: list, algorithms: list) -> dict:
         where = f"{path}: {setting}"
         if setting not in settings:
             raise ConfigError(f"{where}: not a setting of the sweep ({', '.join(settings)})")
-        if not isinstance(entry, dict) or set(entry) != {"source", "reading", "seeds", "numbers"}:
-            raise ConfigError(f"{where}: needs exactly source, reading, seeds and numbers")
+        if not isinstance(entry, dict) or not {"source", "reading", "seeds", "numbers"} <= set(entry) or \
+                set(entry) - {"source", "reading", "seeds", "numbers", "diverged_at"}:
+            raise ConfigError(f"{where}: needs source, reading, seeds and numbers (and may have diverged_at)")
+        at = entry.get("diverged_at")
+        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at <= 100):
+            raise ConfigError(f"{where}: diverged_at must be an accuracy in % (0-100), not {at!r}")
         if entry["reading"] not in READINGS:
             raise ConfigError(f"{where}: reading must be {' or '.join(READINGS)}, not {entry['reading']!r}")
         if not isinstance(entry["seeds"], int) or isinstance(entry["seeds"], bool) or entry["seeds"] < 2:
@@ -62,7 +68,8 @@ def read_published(path: Path, settings: list, algorithms: list) -> dict:
                                   f"std >= 0, not {pair!r}")
             numbers[algorithm] = (float(pair[0]), float(pair[1]))
         out[setting] = {"source": str(entry["source"]).strip(), "reading": entry["reading"],
-                        "seeds": entry["seeds"], "numbers": numbers}
+                        "seeds": entry["seeds"], "numbers": numbers,
+                        "diverged_at": None if at is None else float(at)}
     return out
 
 
@@ -79,39 +86,54 @@ def judge(values: list[float], published: tuple[float, float], seeds: int) -> di
     return {"mean": m, "std": s, "n": n, "p": p, "within": p >= ALPHA}
 
 
-def section(published: dict, runs: Callable[[str, str, str], list], seeds: int,
+def counted(run: dict, reading: str, diverged_at: float | None) -> float | None:
+    """One run's accuracy (%) by a reading. A run that diverged: None (in no mean), or, with the
+    setting's `diverged_at`, as the source's code records such a run: its final model at that
+    accuracy (NaN weights predict one class: chance on a balanced test set), its best the
+    larger of that and its best before it diverged."""
+    if not run["diverged"]:
+        return run[reading]
+    if diverged_at is None:
+        return None
+    return diverged_at if reading == "final" or run["best"] is None else max(run["best"], diverged_at)
+
+
+def section(published: dict, runs: Callable[[str, str], list], seeds: int,
             note: Callable[[str, str], str]) -> list[str]:
     """The document's opening section: per setting, a row per published number.
-    `runs(setting, algorithm, reading)`: raysim's finished runs' accuracies (%) by a reading
-    (best | final), None for a run that diverged (it counts in no mean; the cell says so);
-    `seeds`: the seeds the sweep runs a cell; `note(setting, algorithm)`: the cell's note links."""
-    def shown(values: list) -> str:
-        got = [v for v in values if v is not None]
-        gone = len(values) - len(got)
-        text = "-" if not got else "{:.1f} ± {:.1f}".format(*mean_std(got))
-        if got and len(values) < seeds:
-            text += f" ({len(values)}/{seeds})"
-        return text + (f"; {gone} diverged" if gone else "")
+    `runs(setting, algorithm)`: raysim's finished runs as {final, best (accuracy %, None where
+    the run diverged before any evaluation), diverged}; `seeds`: the seeds the sweep runs a
+    cell; `note(setting, algorithm)`: the cell's note links."""
+    def shown(got: list, reading: str, diverged_at: float | None) -> str:
+        values = [counted(r, reading, diverged_at) for r in got]
+        kept = [v for v in values if v is not None]
+        gone = sum(r["diverged"] for r in got)
+        text = "-" if not kept else "{:.1f} ± {:.1f}".format(*mean_std(kept))
+        if kept and len(got) < seeds:
+            text += f" ({len(got)}/{seeds})"
+        if gone:
+            text += f"; {gone} diverged" + (f", counted at {diverged_at:g}" if diverged_at is not None else "")
+        return text
 
     verdicts, unexplained = [], []
     body = []
     for setting, entry in published.items():
-        reading = entry["reading"]
+        reading, at = entry["reading"], entry["diverged_at"]
         body += [f"### {setting}", "", f"Published: {entry['source']} (mean ± std of {entry['seeds']} runs, each "
                  f"read at its {'best round' if reading == 'best' else 'final round'}).", "",
                  f"| algorithm | raysim, final round | raysim, best round | published ({reading}) | Welch p | "
                  "within | note |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for algorithm, (pm, ps) in entry["numbers"].items():
-            values = [v for v in runs(setting, algorithm, reading) if v is not None]
-            got = judge(values, (pm, ps), entry["seeds"])
-            verdicts.append(got["within"])
-            if got["within"] is False and not note(setting, algorithm):
+            got = runs(setting, algorithm)
+            values = [v for v in (counted(r, reading, at) for r in got) if v is not None]
+            cell = judge(values, (pm, ps), entry["seeds"])
+            verdicts.append(cell["within"])
+            if cell["within"] is False and not note(setting, algorithm):
                 unexplained.append(f"{setting}/{algorithm}")
-            within = "-" if got["within"] is None else "yes" if got["within"] else "**no**"
-            p = "-" if got["p"] is None else f"{got['p']:.3f}"
-            body.append(f"| {algorithm} | {shown(runs(setting, algorithm, 'final'))} | "
-                        f"{shown(runs(setting, algorithm, 'best'))} | {pm:.2f} ± {ps:.2f} | {p} | {within} | "
-                        f"{note(setting, algorithm)} |")
+            within = "-" if cell["within"] is None else "yes" if cell["within"] else "**no**"
+            p = "-" if cell["p"] is None else f"{cell['p']:.3f}"
+            body.append(f"| {algorithm} | {shown(got, 'final', at)} | {shown(got, 'best', at)} | {pm:.2f} ± {ps:.2f} | "
+                        f"{p} | {within} | {note(setting, algorithm)} |")
         body.append("")
     judged = [v for v in verdicts if v is not None]
     head = ["## Beside the published numbers", "",

@@ -280,10 +280,16 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     for p in plan["points"]:
         index[(p["setting"], p["algorithm"])].append(p)
     if published:
-        def runs(setting: str, algorithm: str, reading: str) -> list:
-            return [None if p["record"].get("status") == "diverged" else
-                    100 * _accuracy(p["record"], False, 0 if reading == "best" else 1)
-                    for p in index.get((setting, algorithm), []) if p["record"] is not None]
+        def runs(setting: str, algorithm: str) -> list:
+            out = []
+            for p in index.get((setting, algorithm), []):
+                if p["record"] is None:
+                    continue
+                diverged = p["record"].get("status") == "diverged"
+                best = _best(p["record"].get("accuracy_curve")) if diverged else _accuracy(p["record"], False, 0)
+                out.append({"diverged": diverged, "best": None if best is None else 100 * best,
+                            "final": None if diverged else 100 * _accuracy(p["record"], False, 1)})
+            return out
         lines += beside_section(published, runs, len(plan["seeds"]), note)
     verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], index, last) for key in index}
     counted = {v: sum(x.startswith(v) for x in verdicts.values()) for v in ("yes", "no", "undecided", "n/c")}
