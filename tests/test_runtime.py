@@ -299,25 +299,27 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_the_rounds_before(ray_loca
 
 def test_a_model_that_collapsed_to_chance_is_a_diverged_run(ray_local, tmp_path, capsys):
     """Issue 84: a run whose model falls to chance without a NaN (FedDyn's objective running
-    away below zero on mnist_c2) counted as finished. Here 95 % of the clients flip their labels
-    from round 8: the default digits run climbs to ~0.7, then falls; at the third evaluation in
-    a row at or under 1.5 / 10 it stops as diverged, and `diverged_collapse=false` runs on."""
+    away below zero on mnist_c2) counted as finished. Here the clients return all-zero weights
+    from round 4 (one class predicted): at the third evaluation in a row at or under 1.5 / 10 it
+    stops as diverged; `diverged_collapse=false` runs on, and so does a run under attack (a
+    collapse is what an attack measures)."""
     from raysim.runtime.server import collapsed
 
     assert collapsed([0.5, 0.1, 0.12, 0.15], 10) and not collapsed([0.5, 0.1, 0.12, 0.16], 10)
     assert not collapsed([0.1, 0.12, 0.15], 10)  # never above chance: not a collapse (nothing earlier)
     assert not collapsed([0.29, 0.1, 0.1, 0.1], 10) and collapsed([0.3, 0.1, 0.1, 0.1], 10)
-    flip = ["rounds=20", "attack.kind=label_flip", "attack.fraction=0.95", "attack.start=8", f"output_dir={tmp_path}"]
-    assert main([*flip, "run_name=flip", "--quiet"]) == 3
+    zero = [*BASE, "rounds=9", "plugins=[stateful_plugin]", "algorithm=test_zero_from_round_4", f"output_dir={tmp_path}"]
+    assert main([*zero, "run_name=zero", "--quiet"]) == 3
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-    assert len(err) == 1 and "fedavg collapsed to chance: test accuracy" in err[0]
-    s = json.loads((tmp_path / "flip" / "summary.json").read_text())
-    rows = pq.read_table(tmp_path / "flip" / "metrics.parquet").to_pylist()
-    assert s["status"] == "diverged" and s["diverged_round"] == len(rows) + 1 < 20
+    assert len(err) == 1 and "test_zero_from_round_4 collapsed to chance: test accuracy" in err[0]
+    s = json.loads((tmp_path / "zero" / "summary.json").read_text())
+    rows = pq.read_table(tmp_path / "zero" / "metrics.parquet").to_pylist()
+    assert s["status"] == "diverged" and s["diverged_round"] == 6 and len(rows) == 5
     assert max(r["accuracy"] for r in rows) >= 0.3 and all(r["accuracy"] <= 0.15 for r in rows[-2:])
-    assert all(0 < r["weight_rms"] < 1 for r in rows)  # the first model's weights' root mean square, each round
-    assert main([*flip, "run_name=on", "diverged_collapse=false", "--quiet"]) == 0
+    assert all(r["weight_rms"] > 0 for r in rows[:3]) and all(r["weight_rms"] == 0 for r in rows[3:])
+    assert main([*zero, "run_name=on", "diverged_collapse=false", "--quiet"]) == 0
     assert json.loads((tmp_path / "on" / "summary.json").read_text())["status"] == "finished"
+    assert main([*zero, "run_name=attacked", "attack.kind=gaussian", "attack.fraction=0.1", "--quiet"]) == 0
 
 
 def test_footprint_counts_buffers_once_and_gives_expanded_parts_what_they_hold():

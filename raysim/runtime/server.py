@@ -502,9 +502,11 @@ class FederatedServer:
         turning non-finite: its test accuracy at most 1.5 / classes at this evaluation and the
         two before, after it had reached 3 / classes (issue 84: FedDyn's objective ran away
         below zero, -33 to -160, its accuracy from 96.5 % to 10-14 % and never back; such a
-        run counted as finished). Off with `diverged_collapse=false`, and for a method whose
-        server model is no client's (`Algorithm.unshared`: it may sit at chance by design)."""
-        if accuracy is None or not self.cfg.diverged_collapse or type(self.algorithm).unshared:
+        run counted as finished). Off with `diverged_collapse=false`, for a method whose server
+        model is no client's (`Algorithm.unshared`: it may sit at chance by design) and under an
+        attack (`attack.kind`: there a collapse is what is measured)."""
+        if accuracy is None or not self.cfg.diverged_collapse or type(self.algorithm).unshared \
+                or self.cfg.attack.kind != "none":  # under attack a collapse is the attack's result, not divergence
             return
         before = [r["accuracy"] for r in self.record.writer.rows if r.get("accuracy") is not None]
         if collapsed([*before, accuracy], self.num_classes):

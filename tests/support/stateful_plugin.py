@@ -56,6 +56,18 @@ class NaNInRound3(FedAvg):
         return blown_up(result) if client.round == 3 else result
 
 
+@ALGORITHMS.register("test_zero_from_round_4")
+class ZeroFromRound4(FedAvg):
+    """Local training that collapses from round 4 without a NaN (as FedDyn's runaway objective
+    does): every client returns all-zero weights, whose model predicts one class."""
+
+    def client_update(self, client, payload):
+        result = super().client_update(client, payload)
+        if client.round >= 4:
+            result.update = {k: v * 0.0 if v.is_floating_point() else v for k, v in result.update.items()}
+        return result
+
+
 @ALGORITHMS.register("test_pfedme_nan_in_round_2")
 class PFedMeNaNInRound2(PFedMe):
     """pFedMe whose clients blow up in round 2, as an unstable inner step does."""
