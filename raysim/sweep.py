@@ -353,9 +353,10 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
 
 
 def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set, skip: list[dict] = (),
-                per_cell: list[dict] = ()) -> list[dict]:
+                per_cell: list[dict] = (), added: dict | None = None) -> list[dict]:
     """The tuning points (raysim/tuning.py) of the (setting, algorithm) `cells`: each at
-    tune.seed, judged on held-out training samples, in `<sweep>/tuning/`."""
+    tune.seed, judged on held-out training samples, in `<sweep>/tuning/`; `added`: {cell:
+    [combo]}, points past a grid's edge (tune.extend) on top of the grid's."""
     at_seed = {**grid, "seed": [v for v in grid["seed"] if (_label(v) or v) == tuning.seed]}
     out = []
     for p in plan(files, fixed, at_seed, sweep_dir / "tuning", skip=skip, per_cell=per_cell):
@@ -363,7 +364,7 @@ def plan_tuning(files, fixed, grid, sweep_dir: Path, tuning, cells: set, skip: l
         if cell not in cells:
             continue
         base = [o for o in p["overrides"] if o.split("=", 1)[0] not in ("output_dir", "run_name")]
-        for combo in tuning.combos(cell[1]):
+        for combo in [*tuning.combos(cell[1]), *(added or {}).get(cell, [])]:
             name = f"{p['name']},{point_suffix(combo)}"
             overrides = [*base, *combo, f"eval.validation={tuning.validation}", f"output_dir={sweep_dir / 'tuning'}",
                          f"run_name={name}"]
@@ -514,21 +515,43 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
     (every point run) too where their tuning runs are all there, read back, nothing run."""
     from raysim.tuning import choose, merge_tuned, run_seconds, score
 
-    tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip, per_cell)
     recorded = lambda p: (*p["cell"], p["point"]) in tuned  # noqa: E731
     there = lambda p: recorded(p) or (Path(p["run_dir"]) / "summary.json").is_file()  # noqa: E731
-    todo = [p for p in tpoints if p["cell"] in cells and p["state"] != "done" and not recorded(p)]
-    say(f"tuning: {sum(p['cell'] in cells for p in tpoints)} points for {len(cells)} cell(s) on seed "
-        f"{tuning.seed}, {len(todo)} to run")
-    if todo:
-        _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say, done=there)
+    scored = lambda p: tuned[(*p["cell"], p["point"])] if recorded(p) else \
+        score(Path(p["run_dir"]), tuning.judged(p["cell"][0]), tuning.last)  # noqa: E731
+    added: dict = {}  # points past a grid's edge, derived from finished scores, so a resumed sweep finds them again
+    for step in range(tuning.extend + 1):
+        tpoints = plan_tuning(files, fixed, grid, sweep_dir, tuning, cells | finished, skip, per_cell, added)
+        todo = [p for p in tpoints if p["cell"] in cells and p["state"] != "done" and not recorded(p)]
+        say(f"tuning{f' (past a grid edge, step {step})' if step else ''}: "
+            f"{sum(p['cell'] in cells for p in tpoints)} points for {len(cells)} cell(s) on seed {tuning.seed}, "
+            f"{len(todo)} to run")
+        if todo:
+            _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say, done=there)
+        if step == tuning.extend:
+            break
+        grew = False
+        for cell in sorted(cells | finished):
+            mine = [p for p in tpoints if p["cell"] == cell]
+            if not mine or not all(map(there, mine)):
+                continue
+            best = choose({p["point"]: scored(p) for p in mine})
+            if best is None:
+                continue
+            known = {p["point"] for p in mine}
+            new = [c for c in tuning.beyond(cell[1], next(p["combo"] for p in mine if p["point"] == best),
+                                            added.get(cell, [])) if point_suffix(c) not in known]
+            if new:
+                added.setdefault(cell, []).extend(new)
+                grew = True
+        if not grew:
+            break
     rows, chosen = [], {}
     for cell in sorted(cells | finished):
         mine = [p for p in tpoints if p["cell"] == cell]
         if cell not in cells and not all(map(there, mine)):
             continue  # a finished cell whose tuning runs are gone: its choice is not known here
-        scores = {p["point"]: tuned[(*cell, p["point"])] if recorded(p) else
-                  score(Path(p["run_dir"]), tuning.judged(cell[0]), tuning.last) for p in mine}
+        scores = {p["point"]: scored(p) for p in mine}
         best = choose(scores)
         if best is None and cell not in cells:
             continue

@@ -14,6 +14,8 @@ A sweep file's `tune:` section:
       grid: {local.lr: [0.01, 0.03, 0.1]}                  # every algorithm
       by_algorithm:                                        # label (or name) -> its key hyper-parameter(s)
         fedprox: {fedprox.mu: [0.001, 0.01, 0.1]}          # source in a comment beside it
+      extend: 1                 # where a choice sits at a numeric axis's edge, one more point past it
+                                # (the axis's last ratio), up to this many times per cell
 
 For each (setting, algorithm) of the grid, the tuning points are the product of `grid` and
 the algorithm's `by_algorithm` entry, run at `seed` with `eval.validation`, so that neither
@@ -48,6 +50,7 @@ class Tuning:
     judge_by_setting: dict = field(default_factory=dict)
     grid: dict = field(default_factory=dict)  # key -> [values]
     by_algorithm: dict = field(default_factory=dict)  # algorithm label -> {key: [values]}
+    extend: int = 0  # steps a numeric axis may grow past its edge where the choice sits there (issue 84)
 
     def combos(self, algorithm: str) -> list[list[str]]:
         """The tuning points of one algorithm: lists of overrides, in the grid's order."""
@@ -55,6 +58,31 @@ class Tuning:
         if not axes:
             return [[]]
         return [[f"{k}={json.dumps(v)}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
+
+    def beyond(self, algorithm: str, chosen: list[str], added: list[list[str]]) -> list[list[str]]:
+        """The points one step past an edge of a numeric axis where the choice `chosen` sits
+        on it (issue 84: 99 of the table's 140 choices were the lr grid's top): that axis's
+        value times the ratio of its last two values (or divided, past the first), the other
+        axes at the choice; `added`: points already added this way, which widen the axis. An
+        axis with a value that is not a positive number (perfedavg.beta's null) never grows."""
+        axes = {**self.grid, **self.by_algorithm.get(algorithm, {})}
+        at = {o.split("=", 1)[0]: json.loads(o.split("=", 1)[1]) for o in chosen}
+        out = []
+        for key, declared in axes.items():
+            values = sorted({*declared, *(json.loads(o.split("=", 1)[1]) for c in added for o in c
+                                          if o.split("=", 1)[0] == key)}, key=lambda v: (v is None, v or 0))
+            if len(values) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                          for v in values):
+                continue
+            if at[key] == values[-1]:
+                new = values[-1] * values[-1] / values[-2]
+            elif at[key] == values[0]:
+                new = values[0] * values[0] / values[1]
+            else:
+                continue
+            new = float(f"{new:.6g}")  # 0.1 * 0.1 / 0.03 = 0.33333333333333337 -> 0.333333
+            out.append([f"{k}={json.dumps(new if k == key else at[k])}" for k in axes])
+        return out
 
     def judged(self, setting: str) -> str:
         return self.judge_by_setting.get(setting, self.judge)
@@ -67,14 +95,18 @@ def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[st
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: tune must be a mapping (seed, validation, last, judge, grid, by_algorithm)")
-    allowed = {"seed", "validation", "last", "judge", "judge_by_setting", "grid", "by_algorithm"}
+    allowed = {"seed", "validation", "last", "judge", "judge_by_setting", "grid", "by_algorithm", "extend"}
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(f"{where}: tune has unknown key(s) {', '.join(sorted(unknown))}; allowed: "
                           f"{', '.join(sorted(allowed))}")
     t = Tuning(seed=str(raw.get("seed", 0)), validation=float(raw.get("validation", 0.2)), last=int(raw.get("last", 3)),
                judge=str(raw.get("judge", "own")), judge_by_setting=dict(raw.get("judge_by_setting") or {}),
-               grid=dict(raw.get("grid") or {}), by_algorithm=dict(raw.get("by_algorithm") or {}))
+               grid=dict(raw.get("grid") or {}), by_algorithm=dict(raw.get("by_algorithm") or {}),
+               extend=raw.get("extend", 0))
+    if isinstance(t.extend, bool) or not isinstance(t.extend, int) or not 0 <= t.extend <= 3:
+        raise ConfigError(f"{where}: tune.extend must be a whole number in 0..3 (steps past a grid's edge), "
+                          f"got {t.extend!r}")
     if not 0 < t.validation < 1:
         raise ConfigError(f"{where}: tune.validation must be in (0, 1) (the tuning runs' held-out share), "
                           f"got {t.validation}")
@@ -227,7 +259,7 @@ def record(tuning: Tuning, sweep_dir: Path, out: Path) -> int:
         seconds[(setting, algorithm, point)] = run_seconds(run_dir)
     rows = []
     for (setting, algorithm), scores in sorted(cells.items()):
-        complete = len(scores) == len(tuning.combos(algorithm))
+        complete = len(scores) >= len(tuning.combos(algorithm))  # points past an edge (extend) come on top
         best = choose(scores) if complete else None
         rows += [{"setting": setting, "algorithm": algorithm, "point": p, "score": s, "chosen": int(p == best),
                   "wall_seconds": seconds[(setting, algorithm, p)]} for p, s in scores.items()]

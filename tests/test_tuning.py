@@ -239,3 +239,49 @@ def test_a_sweep_resumed_for_a_new_cell_checks_a_finished_cell_with_its_tuned_va
     rows = list(csv.DictReader((out / "tuning.csv").open()))
     assert sorted({r["algorithm"] for r in rows}) == ["fedavg", "fedprox"]
     assert sum(r["chosen"] == "1" for r in rows) == 2
+
+
+def test_a_choice_at_a_grids_edge_gets_one_more_point_past_it():
+    """Issue 84: 99 of the table's 140 choices sat at the lr grid's top. `tune.extend` adds the
+    point one step past the edge the choice sits on (the axis's last ratio), the other axes at
+    the choice; an inner choice, or an axis holding a non-number, adds nothing."""
+    from raysim.tuning import Tuning
+
+    t = Tuning(grid={"local.lr": [0.01, 0.03, 0.1]}, extend=1,
+               by_algorithm={"fedprox": {"fedprox.mu": [0.001, 0.01, 0.1]}, "perfedavg": {"perfedavg.beta": [0.001, None]}})
+    assert t.beyond("fedavg", ["local.lr=0.1"], []) == [["local.lr=0.333333"]]
+    assert t.beyond("fedavg", ["local.lr=0.01"], []) == [["local.lr=0.00333333"]]
+    assert t.beyond("fedavg", ["local.lr=0.03"], []) == []
+    assert t.beyond("fedprox", ["local.lr=0.1", "fedprox.mu=0.001"], []) == [
+        ["local.lr=0.333333", "fedprox.mu=0.001"], ["local.lr=0.1", "fedprox.mu=0.0001"]]
+    assert t.beyond("fedavg", ["local.lr=0.333333"], [["local.lr=0.333333"]]) == [["local.lr=1.11111"]]
+    assert t.beyond("perfedavg", ["local.lr=0.03", "perfedavg.beta=null"], []) == []
+
+
+def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local, tmp_path):
+    from raysim.sweep import main as sweep
+
+    (tmp_path / "s.yaml").write_text(json.dumps({
+        "name": "e", "fixed": {"rounds": 2, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
+                               "resources": {"num_actors": 1}},
+        "grid": {"seed": [0], "algorithm": ["fedavg"]},
+        "tune": {"grid": {"local.lr": [0.0001, 0.001]}, "last": 1, "judge": "global", "extend": 1}}))
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    rows = {r["point"]: r for r in csv.DictReader((tmp_path / "out" / "e" / "tuning.csv").open())}
+    # two rounds at lr 1e-4 or 1e-3 barely move a model: the top wins and lr 0.01 is run past it, and wins
+    assert set(rows) == {"lr=0.0001", "lr=0.001", "lr=0.01"} and rows["lr=0.01"]["chosen"] == "1", rows
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "out" / "e" / "seed=0,algorithm=fedavg" / "config.yaml").read_text())
+    assert saved["local"]["lr"] == 0.01
+    # resumed with its point to run again: the point past the edge is found again from the scores
+    # of the finished tuning runs, and none of them runs twice
+    import shutil
+
+    again = tmp_path / "out" / "e" / "tuning" / "seed=0,algorithm=fedavg,lr=0.01" / "summary.json"
+    when = again.stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "out" / "e" / "seed=0,algorithm=fedavg")
+    assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    assert again.stat().st_mtime_ns == when
+    saved = yaml.safe_load((tmp_path / "out" / "e" / "seed=0,algorithm=fedavg" / "config.yaml").read_text())
+    assert saved["local"]["lr"] == 0.01
