@@ -336,6 +336,11 @@ def test_each_cell_is_read_against_its_papers_claim_and_a_bad_claim_is_one_line(
     (tmp_path / "results" / "notes.yaml").write_text('"digits/fedavg": "FedAvg has no personal model."\n')
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     assert "without a note yet" not in (tmp_path / "results.md").read_text()
+    # a note that argues without a run says so in its cell (issue 84)
+    (tmp_path / "results" / "notes.yaml").write_text('"digits/fedavg": "Read from the rows: cause not measured."\n')
+    write_doc(f, tmp_path / "results.md", tmp_path / "runs")
+    assert next(line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| fedavg |")
+                ).endswith("[note 1](#note-1) (cause not measured) |")
     (tmp_path / "results" / "notes.yaml").unlink()
     claims.write_text("fedavg: {baseline: fedper, judge: own, direction: below, claim: 'trails FedPer'}\n"
                       "fedper: {baseline: fedavg, judge: own, settings: [], claim: 'about feature shift'}\n")

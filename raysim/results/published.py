@@ -114,6 +114,9 @@ def _merge_tuning(here: Path, recorded: Path) -> None:
         merge_tuned(recorded, list(csv.DictReader(f)))
 
 
+UNMEASURED = "cause not measured"  # a note's words that mark its cell (notes.yaml)
+
+
 def _method(value) -> str:
     """The algorithm a grid value runs: the value, or a labelled variant's `algorithm=`."""
     if isinstance(value, str):
@@ -222,9 +225,12 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     numbered: dict[str, int] = {}  # note text -> its number, in the order the tables first cite it
 
     def note(setting: str, algorithm: str) -> str:
+        """The cell's note links; "cause not measured" beside one whose text says so (issue 84:
+        a note that argues without a run is marked in the cell itself)."""
         keys = [f"{setting}/{algorithm}", f"*/{algorithm}"]
         texts = [str(notes[k]).strip() for k in keys if k in notes]
-        return ", ".join(f"[note {numbered.setdefault(t, len(numbered) + 1)}](#note-{numbered[t]})" for t in texts)
+        return ", ".join(f"[note {numbered.setdefault(t, len(numbered) + 1)}](#note-{numbered[t]})"
+                         + (" (cause not measured)" if UNMEASURED in t else "") for t in texts)
     done = [p for p in plan["points"] if p["record"] is not None]
     made_on: dict[str, list] = {}  # processors -> [runs, run seconds]
     for p in done:
