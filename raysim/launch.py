@@ -306,11 +306,20 @@ class CheckHere(CheckApart):
 
 def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
            server_name: str = "raysim-server", servers=None, size_store: bool = False) -> dict:
-    """`drive` the run; a resumed run holds its run directory's lock meanwhile."""
+    """`drive` the run; a resumed run holds its run directory's lock meanwhile (a new run
+    takes it in `drive`, once the server has made the directory)."""
     from raysim.run_lock import RunLock
 
     with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
         return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers(), size_store)
+
+
+def _lock_if_here(run_dir: str):
+    """The run directory's lock, when this machine sees the directory (a server on another
+    host of a cluster may write it where this driver cannot: nothing to lock here)."""
+    from raysim.run_lock import RunLock
+
+    return RunLock(run_dir) if os.path.isdir(run_dir) else contextlib.nullcontext()
 
 
 def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = quiet,
@@ -329,6 +338,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     bar = None
     run_dir = None
     keep = False
+    held = contextlib.ExitStack()
     try:
         info = awaited(server.setup.remote(layers, os.getcwd(), t_start))
         if info.get("start_ray"):  # no Ray yet, and the clients should not train here (runtime/here.py)
@@ -347,6 +357,8 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
             wait_for_actors(server, info, say)
         info = awaited(server.open_run.remote())
         run_dir = info["run_dir"]
+        if not cfg.resume:  # the first process holds the new run's lock too (a resumed one holds it from the start)
+            held.enter_context(_lock_if_here(run_dir))
         say(info["banner"])
         say(f"run directory: {run_dir}")
         if progress:
@@ -395,6 +407,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         if bar is not None:
             bar.close()
         servers.give_back(server, keep and reuse, cfg.plugins)
+        held.close()
 
 
 def progress_fields(row: dict) -> dict:

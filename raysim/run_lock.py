@@ -1,8 +1,10 @@
 """`<run dir>/.lock`: one process drives a run directory at a time.
 
-A resumed run takes the lock before Ray starts and holds it until the command (or
-`raysim.simulate`) returns, so a second `resume=DIR` of the same run is refused at once
-instead of both writing the same files. The file records the holder's host, PID and
+Every process that drives a run directory holds its lock until the command (or
+`raysim.simulate`) returns: a resumed run from before Ray starts, a new run from the moment
+the server has made the directory (before round 1, whose checkpoint a resume would need).
+A second `resume=DIR` of the same run is refused at once instead of both writing the same
+files. The file records the holder's host, PID and
 process start time; a lock whose process is gone (killed with SIGKILL, a crashed machine
 rebooted) is stale and taken over. A lock held on another host cannot be checked from
 here: the message says how to remove it.
