@@ -276,8 +276,18 @@ class Algorithm:
 
     @classmethod
     def divergence_hint(cls, cfg: DictConfig) -> str:
-        """What to try when a run of it diverges (the runtime's stop message ends with it)."""
-        return f"Try a smaller local.lr (now {cfg.local.lr}) or local.momentum (now {cfg.local.momentum})"
+        """What to try when a run of it diverges (the runtime's stop message ends with it): the
+        numbers the config sets 100 times or more past their defaults first (a `fedprox.mu`
+        or `server.lr` of 1e300 is the likelier cause than the learning rate), then local.lr."""
+        from raysim.config.hints import far_from_default
+
+        lr = f"a smaller local.lr (now {cfg.local.lr}) or local.momentum (now {cfg.local.momentum})"
+        far = far_from_default(cfg)
+        if not far:
+            return f"Try {lr}"
+        named = ", ".join(f"{k}={v:g} " + (f"({ratio:.0e} times its default {d:g})" if d else
+                                             f"(default {'unset' if d is None else 0})") for k, v, d, ratio in far[:3])
+        return f"The config sets {named}: try it smaller; otherwise try {lr}"
 
     @classmethod
     def config_notes(cls, cfg: DictConfig) -> list:

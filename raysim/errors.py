@@ -5,7 +5,8 @@
 it are kept in the run directory, with a summary that says where it stopped (`RunStalled`,
 an asynchronous run to which no update can arrive, ends the same way); `WriteFailed`
 is a run directory that could not be written (a full disk): exit 1, the last good
-checkpoint named."""
+checkpoint named. `StartFailed` is Ray not starting on this machine (exit 1: not the
+input's fault; retry)."""
 
 
 class ConfigError(Exception):
@@ -38,3 +39,8 @@ class NothingToDo(Exception):
     def __init__(self, message: str, run_dir: str = ""):
         super().__init__(message)
         self.run_dir = run_dir
+
+
+class StartFailed(Exception):
+    """A local Ray did not start (a time-out waiting for its processes on a loaded machine):
+    not bad input, so exit 1; the message is one line saying where Ray's logs are."""

@@ -22,15 +22,15 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
+from raysim import stopping
 from raysim.config import ConfigError, read_layers
 from raysim.errors import NothingToDo, RunDiverged, WriteFailed
 from raysim.preflight import check_layers, quiet
 from raysim.runtime.ray_session import first_line
 
-# Set by the CLI's Ctrl-C / SIGTERM handler (run.py). A KeyboardInterrupt raised inside Ray's
-# own code can be lost there (seen: a Ctrl-C in round 2 ignored, all 400 rounds run); the
-# round loop checks this flag after every round, so a stop is never lost.
-stop_requested = threading.Event()
+# Every run directory this process's `drive` opened, the newest last: where a Ctrl-C that
+# escaped `drive` (raised in its clean-up) or reached `run.main` left rounds to resume from.
+OPENED: list = []
 
 Say = Callable[[str], None]
 
@@ -310,8 +310,26 @@ def launch(layers: list, cfg, t_start: float, progress: bool = True, say: Say = 
     takes it in `drive`, once the server has made the directory)."""
     from raysim.run_lock import RunLock
 
-    with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
-        return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers(), size_store)
+    before = len(OPENED)
+    try:
+        with RunLock(cfg.resume) if cfg.resume else contextlib.nullcontext():
+            return drive(layers, cfg, t_start, progress, say, server_name, servers or SessionServers(), size_store)
+    except KeyboardInterrupt:  # raised in drive's clean-up, after its own handler (a second signal, Ray's code)
+        raise Interrupted(interrupted_where(OPENED[-1] if len(OPENED) > before else None)) from None
+
+
+def interrupted_where(run_dir: Optional[str]) -> str:
+    """The line a stopped run ends with: where its rounds are and how to continue them (a
+    run stopped before its first checkpoint cannot be: it says so)."""
+    if not run_dir:
+        return "interrupted before the first round: nothing was written"
+    from raysim.checkpoint import FILE
+
+    if not os.path.isfile(os.path.join(run_dir, FILE)):
+        return (f"interrupted before the run's first checkpoint: {run_dir} holds no round to resume from "
+                "(checkpoint_every); remove it and run again")
+    return (f"interrupted: the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues "
+            "from its last checkpoint (checkpoint_every)")
 
 
 def _lock_if_here(run_dir: str):
@@ -355,8 +373,10 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         else:
             say(f"data ready; waiting for {info['actors']} client actors ({info['needs']} each)")
             wait_for_actors(server, info, say)
+        stopping.started()  # a signal from here stops the run where it is (before: the command ends at once)
         info = awaited(server.open_run.remote())
         run_dir = info["run_dir"]
+        OPENED.append(run_dir)
         if not cfg.resume:  # the first process holds the new run's lock too (a resumed one holds it from the start)
             held.enter_context(_lock_if_here(run_dir))
         say(info["banner"])
@@ -369,7 +389,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
         fields: dict = {}
         for rnd in range(info["start_round"], info["rounds"] + 1):
             row = awaited(server.step.remote(rnd))
-            if stop_requested.is_set():
+            if stopping.stop_requested.is_set():
                 raise KeyboardInterrupt
             for line in row.get("warnings", ()):  # once per run each (server._round_warnings)
                 (bar.write if bar is not None else print)(f"warning: {line}", file=sys.stderr)
@@ -397,9 +417,7 @@ def drive(layers: list, cfg, t_start: float, progress: bool = True, say: Say = q
     except KeyboardInterrupt:
         if run_dir is not None:  # before the run directory there is nothing to write (and the server, busy
             flush(server)        # loading the data, would answer only when done)
-        where = (f"the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues from "
-                 "its last checkpoint (checkpoint_every)") if run_dir else "before the first round: nothing was written"
-        raise Interrupted(f"interrupted {where}") from None
+        raise Interrupted(interrupted_where(run_dir)) from None
     except BaseException:
         flush(server)
         raise

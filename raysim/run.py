@@ -13,16 +13,20 @@ stopped on every way out.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below (~0.1 s): a Ctrl-C there ends in one line too
+    from raysim import stopping as _stopping
+
+    _stopping.early()
+
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-from raysim.errors import ConfigError
-from raysim.errors import NothingToDo, RunDiverged, WriteFailed
+from raysim import stopping
+from raysim.errors import ConfigError, NothingToDo, RunDiverged, StartFailed, WriteFailed
 from raysim.launch import (HereServers, Interrupted, RunFailed, ServerDied, StoreTooSmall, launch, quiet,
                            say_on_stderr)
 from raysim.runtime.ray_session import Meanwhile, start_ray
@@ -101,23 +105,18 @@ def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
     t_start = t_start or time.time()
     args = _parser().parse_intermixed_args(argv)
     say = quiet if args.quiet else say_on_stderr(t_start)
-    from raysim.launch import stop_requested
+    from raysim.launch import OPENED, interrupted_where
 
-    stop_requested.clear()
-    # Ctrl-C and SIGTERM work at every moment: from here (checks, starting Ray) to the end;
-    # inside ray.init, ray_session.interruptible takes over while Python code cannot run
-    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
-    previous_int = signal.signal(signal.SIGINT, _terminate) if _main_thread() else None
-    try:
-        return _main(args, say, t_start)
-    except KeyboardInterrupt:
-        print("interrupted before the run started: nothing was written", file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        if previous_int is not None:
-            signal.signal(signal.SIGINT, previous_int)
+    opened = len(OPENED)
+    # Ctrl-C and SIGTERM work at every moment (raysim/stopping.py): until the run is driven they
+    # end the command at once; inside ray.init, ray_session.interruptible does the same
+    with stopping.signals():
+        try:
+            return _main(args, say, t_start)
+        except KeyboardInterrupt:  # the start-up's signal raised by stopping.started(), or one past the run
+            print(interrupted_where(OPENED[-1] if len(OPENED) > opened else None).replace(
+                "before the first round", "before the run started"), file=sys.stderr)
+            return 130
 
 
 def _main(args, say, t_start: float) -> int:
@@ -141,7 +140,7 @@ def _main(args, say, t_start: float) -> int:
                 servers = HereServers()
             elif deferred:  # no Ray yet: the server may train the clients here (runtime/here.py)
                 servers = HereServers(start_ray=_start_ray_later(cfg))
-    except (ConfigError, NothingToDo, RunFailed) as e:
+    except (ConfigError, NothingToDo, RunFailed, StartFailed) as e:
         on_service.close()
         return _said(e)
     except _Ended as e:
@@ -149,10 +148,10 @@ def _main(args, say, t_start: float) -> int:
 
     from raysim.lazy_ray import ray  # imported when used: a run with no Ray needs none (runtime/here.py)
 
-    if _main_thread():  # again: ray.init installs its own SIGTERM handler, which dumps a stack and aborts
-        signal.signal(signal.SIGTERM, _terminate)
-        signal.signal(signal.SIGINT, _terminate)
     try:
+        stopping.reinstall()  # again: ray.init installs its own SIGTERM handler, which dumps a stack and aborts
+        if addr is not None:  # the service's warm server takes the run: a signal now goes through launch.drive,
+            stopping.started()  # which hands the server back (a local run's start-up ends in drive)
         try:  # a local Ray we started with Ray's default store is resized once if the data need it
             summary = launch(layers, cfg, t_start, progress=not args.quiet, say=say, servers=servers,
                              size_store=(started or deferred) and not cfg.ray.object_store_gb)
@@ -169,7 +168,7 @@ def _main(args, say, t_start: float) -> int:
     except RunDiverged as e:  # the loss or the model turned non-finite: the rounds before are kept
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (ServerDied, RunFailed, WriteFailed) as e:
+    except (ServerDied, RunFailed, WriteFailed, StartFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:
@@ -246,12 +245,12 @@ def _check_while_ray_starts(args, say) -> tuple:
         try:
             started = start_ray(ray_cfg, held, command=True,
                                 meanwhile=_Checked(checking) if checking.fileno() is not None else None)
-        except ConfigError:  # Ray did not start: a bad config, found meanwhile, is the first thing to say
+        except (ConfigError, StartFailed):  # Ray did not start: a bad config, found meanwhile, is said first
             checking.answer()
             raise
         cfg = checking.answer()
     except BaseException as e:
-        code = _said(e) if isinstance(e, (ConfigError, NothingToDo, RunFailed)) else None
+        code = _said(e) if isinstance(e, (ConfigError, NothingToDo, RunFailed, StartFailed)) else None
         if started:  # said first: stopping Ray takes a second
             import ray
 
@@ -277,9 +276,7 @@ def _start_ray_later(cfg):
     `_check_while_ray_starts`): `start_ray` as the command does, its signal handlers again."""
     def start(info: dict, say) -> None:
         start_ray(cfg.ray, say, command=True)
-        if _main_thread():  # ray.init installs its own SIGTERM handler, which dumps a stack and aborts
-            signal.signal(signal.SIGTERM, _terminate)
-            signal.signal(signal.SIGINT, _terminate)
+        stopping.reinstall()  # ray.init installs its own SIGTERM handler, which dumps a stack and aborts
     return start
 
 
@@ -305,7 +302,7 @@ class _Checked(Meanwhile):
     def done(self):
         try:
             self.checking.answer()
-        except (ConfigError, NothingToDo, RunFailed) as e:
+        except (ConfigError, NothingToDo, RunFailed, StartFailed) as e:
             return _said(e)
         except KeyboardInterrupt:  # the signal reaches this process too: the watcher says so
             return None
@@ -378,21 +375,6 @@ def _check_on_service(layers: list, addr: str, say, on_service: contextlib.ExitS
     for line in lines:
         say(line)
     return OmegaConf.create(cfg), servers
-
-
-def _terminate(signum, frame):
-    """Ctrl-C and SIGTERM (a scheduler's or `kill`'s stop) end the run: the flag the round
-    loop checks (in case Ray's code swallows the exception), then the exception itself."""
-    from raysim.launch import stop_requested
-
-    stop_requested.set()
-    raise KeyboardInterrupt
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def process_start() -> float:

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from raysim.errors import ConfigError, NothingToDo, RunDiverged, WriteFailed
+from raysim.errors import ConfigError, NothingToDo, RunDiverged, StartFailed, WriteFailed
 from raysim.tuning import point_suffix
 
 
@@ -229,10 +229,14 @@ def read_cells(file: Path | None, grid: dict, given: list[str] = ()) -> list[dic
     return out
 
 
+def _in_cell(values: dict, cell: dict) -> bool:
+    """Whether the point of these grid values is one a `cells` entry names."""
+    return all(str(_label(values[k]) or values[k]) in labels for k, labels in cell["where"].items())
+
+
 def cell_overrides(values: dict, cells: list[dict]) -> list[str]:
     """The overrides the sweep file's `cells` give the point of these grid values."""
-    return [o for c in cells if all(str(_label(values[k]) or values[k]) in labels for k, labels in c["where"].items())
-            for o in c["set"]]
+    return [o for c in cells if _in_cell(values, c) for o in c["set"]]
 
 
 def _only_as_skip(only, names: dict, check, file) -> list[dict]:
@@ -241,9 +245,10 @@ def _only_as_skip(only, names: dict, check, file) -> list[dict]:
     run for a few algorithms), as the skip entries of every value left out."""
     if only is None:
         return []
-    lists = [k for e in only for k, v in e.items() if isinstance(v, list)] if isinstance(only, list) and all(
+    per_entry = [[k for k, v in e.items() if isinstance(v, list)] for e in only] if isinstance(only, list) and all(
         isinstance(e, dict) for e in only) else None
-    if lists is None or len(lists) != len(only):
+    lists = [e[0] for e in per_entry] if per_entry is not None and all(len(e) == 1 for e in per_entry) else None
+    if lists is None:
         raise ConfigError(f"sweep file {file}: only must be a list of mappings {{axis: value, ..., axis: [values]}} "
                           f"with one list each, got {only!r:.80}")
     out = []
@@ -299,6 +304,11 @@ def read_listed(path: Path, grid: dict) -> list[dict]:
         return [{k: row[k] for k in axes} for row in reader]
 
 
+def folder_name(name: str | None, grid: dict) -> str:
+    """The sweep's folder name: the file's `name`, else made from the grid keys."""
+    return name or "-".join(k.split(".")[-1] for k in grid)
+
+
 def skipped(values: dict, skip: list[dict]) -> bool:
     return any(all(str(v) == (_label(values[k]) or values[k]) for k, v in entry.items()) for entry in skip)
 
@@ -326,10 +336,21 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
     from raysim.config import read_layers, resolve
 
     points = []
+    unchecked = list(per_cell)  # a `cells` entry whose points are all skipped is checked too, on one of them
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
         if skipped(values, skip):
+            if any(_in_cell(values, c) for c in unchecked):
+                cell = next(c for c in unchecked if _in_cell(values, c))
+                unchecked.remove(cell)
+                try:
+                    resolve(read_layers(files, [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)),
+                                                *cell["set"]]))
+                except ConfigError as e:
+                    raise ConfigError(f"cells entry setting {', '.join(cell['set'])} (its points all skipped): "
+                                      f"{e}") from None
             continue
+        unchecked = [c for c in unchecked if not _in_cell(values, c)]
         name = point_name(values)
         run_dir = sweep_dir / name
         overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), *cell_overrides(values, per_cell),
@@ -659,9 +680,12 @@ def main(argv=None) -> int:
             raise ConfigError("output_dir: give the sweep one output folder (output_dir=DIR or --output-dir DIR)")
         fixed = [o for o in fixed if o.split("=", 1)[0] != "output_dir"]
         args.output_dir = args.output_dir or Path(out[0].strip('"') if out else "runs/sweeps")
-        name = args.name or name or "-".join(k.split(".")[-1] for k in grid)
+        name = args.name or folder_name(name, grid)
         if "/" in name or name in ("", ".", ".."):
             raise ConfigError(f"--name {name!r} must be a plain folder name")
+        from raysim.preflight import can_create_in
+
+        can_create_in("--output-dir", args.output_dir / name)  # a file in the way: one line, as raysim.run's
         skip = read_skip(args.file, grid)
         if args.skip_listed is not None:
             listed = read_listed(args.skip_listed, grid)
@@ -688,6 +712,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StartFailed as e:  # Ray did not start: not the input's fault
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except SweepInterrupted as e:
         print(str(e), file=sys.stderr)
         return 130

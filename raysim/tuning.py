@@ -100,8 +100,12 @@ def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[st
     if unknown:
         raise ConfigError(f"{where}: tune has unknown key(s) {', '.join(sorted(unknown))}; allowed: "
                           f"{', '.join(sorted(allowed))}")
-    t = Tuning(seed=str(raw.get("seed", 0)), validation=float(raw.get("validation", 0.2)), last=int(raw.get("last", 3)),
-               judge=str(raw.get("judge", "own")), judge_by_setting=dict(raw.get("judge_by_setting") or {}),
+    for key in ("judge_by_setting", "grid", "by_algorithm"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ConfigError(f"{where}: tune.{key} must be a mapping, got {raw[key]!r}")
+    t = Tuning(seed=str(raw.get("seed", 0)), validation=_number(raw, "validation", 0.2, float, where),
+               last=_number(raw, "last", 3, int, where), judge=str(raw.get("judge", "own")),
+               judge_by_setting=dict(raw.get("judge_by_setting") or {}),
                grid=dict(raw.get("grid") or {}), by_algorithm=dict(raw.get("by_algorithm") or {}),
                extend=raw.get("extend", 0))
     if isinstance(t.extend, bool) or not isinstance(t.extend, int) or not 0 <= t.extend <= 3:
@@ -127,6 +131,15 @@ def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[st
         if len(list(itertools.product(*axes.values()))) > 9:
             raise ConfigError(f"{where}: tune.{name} has more than 9 points; the tuning grid stays small")
     return t
+
+
+def _number(raw: dict, key: str, default, kind, where: str):
+    """tune.`key` as a `kind` (float or int), or one line naming it."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ConfigError(f"{where}: tune.{key} must be {'a number' if kind is float else 'a whole number'}, "
+                          f"got {value!r}")
+    return kind(value)
 
 
 def point_suffix(overrides: list[str]) -> str:
@@ -202,8 +215,15 @@ def read_tuned(path: Path) -> dict:
         reader = csv.DictReader(f)
         if set(CSV_FIELDS) - set(reader.fieldnames or []):
             raise ConfigError(f"--tuned {path}: not a tuning.csv (columns {', '.join(CSV_FIELDS)})")
-        for row in reader:
-            out[(row["setting"], row["algorithm"], row["point"])] = float(row["score"]) if row["score"] else None
+        for line, row in enumerate(reader, start=2):
+            try:
+                score = float(row["score"]) if row["score"] else None
+            except ValueError:
+                raise ConfigError(f"--tuned {path}, line {line}: score {row['score']!r} is not a number "
+                                  "(a tuning run's score, or empty for one that diverged)") from None
+            if score is not None and not 0 <= score <= 1:
+                raise ConfigError(f"--tuned {path}, line {line}: score {score} is not an accuracy in [0, 1]")
+            out[(row["setting"], row["algorithm"], row["point"])] = score
     return out
 
 

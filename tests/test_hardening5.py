@@ -48,3 +48,185 @@ def test_a_resume_of_a_run_its_first_process_still_drives_is_refused(tmp_path):
         out, err = first.communicate(timeout=60)
     assert first.returncode == 130 and f"resume={run}" in err, err  # stopped cleanly, lock given back
     assert not (run / ".lock").exists()
+
+
+# ---------------------------------------------------------------- the files the sweep and table tools read
+GRID = {"seed": [0], "setting": [{"label": "d", "dataset": "digits"}], "algorithm": ["fedavg", "fedprox"]}
+FIXED = {"model": "mclr", "rounds": 1, "num_clients": 4}
+
+
+def sweep_file(tmp_path, **sections) -> Path:
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps({"fixed": FIXED, "grid": GRID, **sections}))
+    return f
+
+
+def refused_sweep(tmp_path, *args, **sections) -> str:
+    r = cli(["--file", str(sweep_file(tmp_path, **sections)), "--output-dir", str(tmp_path / "out"), *args],
+            tmp_path, module="raysim.sweep", timeout=120)
+    line = one_error(r)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.yaml"))
+    return line
+
+
+@pytest.mark.parametrize("tune, says", [
+    ({"validation": "abc"}, "tune.validation must be a number, got 'abc'"),
+    ({"last": 2.5}, "tune.last must be a whole number, got 2.5"),
+    ({"judge_by_setting": ["own"]}, "tune.judge_by_setting must be a mapping, got ['own']"),
+    ({"grid": ["local.lr"]}, "tune.grid must be a mapping"),
+])
+def test_a_tune_section_of_the_wrong_type_is_one_line(tmp_path, tune, says):
+    """validation: abc was a ValueError traceback (the casts ran outside any check)."""
+    assert says in refused_sweep(tmp_path, tune={"grid": {"local.lr": [0.1]}, **tune})
+
+
+@pytest.mark.parametrize("score, says", [("zero", "line 2: score 'zero' is not a number"),
+                                         ("7", "line 2: score 7.0 is not an accuracy in [0, 1]")])
+def test_a_tuned_csv_with_a_bad_score_is_one_line_naming_its_line(tmp_path, score, says):
+    tuned = tmp_path / "tuning.csv"
+    tuned.write_text(f"setting,algorithm,point,score,chosen\nd,fedavg,lr=0.1,{score},1\n")
+    line = refused_sweep(tmp_path, "--tuned", str(tuned), tune={"grid": {"local.lr": [0.1]}})
+    assert f"--tuned {tuned}, {says}" in line, line
+
+
+RUNS_HEADER = "setting,algorithm,seed,final_accuracy,status,model_sha256,accuracy_curve\n"
+
+
+@pytest.mark.parametrize("runs, says", [
+    (RUNS_HEADER + "d,fedavg,0,zero point five,finished,ab,\n", "line 2: final_accuracy 'zero point five' is not a number"),
+    (RUNS_HEADER + "d,fedavg,0,0.5,finished,ab,1:0.2 x:0.3\n", "line 2: accuracy_curve entry 'x:0.3' is not round:accuracy"),
+    (RUNS_HEADER + "d,fedavg,0,0.5,finished,ab,1:0.2 2:1.3\n", "line 2: accuracy_curve entry '2:1.3' is not round:accuracy"),
+    ("setting,algorithm,seed,status,model_sha256\nd,fedavg,0,finished,ab\n", "no column final_accuracy"),
+])
+def test_a_runs_csv_with_a_bad_field_or_no_final_accuracy_is_one_line_before_anything_runs(tmp_path, runs, says):
+    """A bad number or curve was a ValueError traceback; a runs.csv without final_accuracy passed
+    the reader and --verify re-ran a row before dying in statistics.mean([])."""
+    doc = tmp_path / "doc.md"
+    (tmp_path / "doc").mkdir()
+    (tmp_path / "doc" / "runs.csv").write_text(runs)
+    f = sweep_file(tmp_path)
+    for extra in ([], ["--verify", "1"]):
+        r = cli(["--sweep", str(f), "--doc", str(doc), *extra], tmp_path, module="raysim.results.table", timeout=120)
+        line = one_error(r)
+        assert f"{tmp_path / 'doc' / 'runs.csv'}" in line and says in line, line
+        assert "verify 1/1" not in r.stderr + r.stdout and not doc.exists()
+
+
+def test_verify_with_no_rows_to_draw_is_one_line(tmp_path):
+    """--verify -1 was "Sample larger than population or is negative" (a traceback)."""
+    (tmp_path / "doc").mkdir()
+    (tmp_path / "doc" / "runs.csv").write_text(RUNS_HEADER + "d,fedavg,0,0.5,finished,ab,1:0.5\n")
+    for n in ("-1", "0"):
+        r = cli(["--sweep", str(sweep_file(tmp_path)), "--doc", str(tmp_path / "doc.md"), "--verify", n], tmp_path,
+                module="raysim.results.table", timeout=120)
+        assert f"--verify {n}: the number of rows to re-run must be 1 or more" in one_error(r)
+
+
+def test_a_sweep_output_dir_that_is_a_file_is_one_line(tmp_path):
+    """NotADirectoryError traceback before; raysim.run refuses the same output_dir in one line."""
+    (tmp_path / "out").write_text("")
+    r = cli(["--file", str(sweep_file(tmp_path)), "--output-dir", str(tmp_path / "out")], tmp_path,
+            module="raysim.sweep", timeout=120)
+    assert f"{tmp_path / 'out'} is a file, not a folder" in one_error(r)
+
+
+def test_an_only_entry_with_two_lists_is_refused_even_beside_one_with_none(tmp_path):
+    """Two entries, one with two lists and one with none, passed the count of lists and were
+    paired with the wrong axes (the message then blamed a valid value)."""
+    line = refused_sweep(tmp_path, only=[{"seed": [0], "algorithm": ["fedavg"]}, {"seed": 0}])
+    assert "only must be a list of mappings" in line and "with one list each" in line, line
+
+
+def test_a_cells_key_that_does_not_exist_is_refused_when_its_points_are_all_skipped(tmp_path):
+    """`cells` setting nosuch.key for a cell `skip` removes was never checked: the sweep ran."""
+    line = refused_sweep(tmp_path, skip=[{"algorithm": "fedprox"}],
+                         cells=[{"algorithm": "fedprox", "set": {"nosuch.key": 1}}])
+    assert "unknown config key 'nosuch'" in line and "cells entry setting nosuch.key=1" in line, line
+
+
+# ---------------------------------------------------------------- signals
+def signalled(tmp_path, name: str, args: list, sig, when) -> tuple:
+    """Run the command, send `sig` when `when` comes (seconds after the start; "handlers": as
+    soon as it has its signal handlers; the start of a progress line; "checkpoint": the run's
+    first checkpoint written), and return (exit
+    code, its lines but the progress ones, the run directory). Fails past 30 s after the
+    signal."""
+    import threading
+
+    out = tmp_path / name
+    p = subprocess.Popen([sys.executable, "-m", "raysim.run", *args, "run_name=r", f"output_dir={out}"], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines, seen = [], threading.Event()
+
+    def read():
+        for line in p.stderr:
+            lines.append(line.rstrip("\n"))
+            if isinstance(when, str) and f"] {when}" in line:
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    if isinstance(when, float):
+        time.sleep(when)
+    elif when == "handlers":  # the first moment raysim's own handlers are in place (Python's start-up before)
+        while not catches_sigterm(p.pid):
+            assert p.poll() is None and time.time() < deadline
+    else:
+        while not (seen.is_set() if when != "checkpoint" else (out / "r" / "checkpoint.pt").exists()):
+            assert p.poll() is None and time.time() < deadline, (when, lines)
+            time.sleep(0.01)
+    p.send_signal(sig)
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"{sig.name} at {when!r}: still running 30 s later")
+    reader.join(10)
+    said = [line.split("\r")[-1] for line in lines]
+    return p.returncode, [x for x in said if x.strip() and not x.startswith("raysim [") and "round/s" not in x
+                          and "it/s" not in x and "%|" not in x], out / "r"
+
+
+def catches_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+MOMENTS = ["handlers", 0.2, 0.5, 1.0, "the server runs in this process", "run directory:", "checkpoint"]
+
+
+@pytest.mark.parametrize("sig, rounds, moments", [
+    (signal.SIGINT, 600, MOMENTS),  # trained in this process
+    (signal.SIGTERM, 20000, [*MOMENTS, "starting a local Ray", "data ready"]),  # on a local Ray's actors
+])
+def test_a_signal_at_any_moment_of_start_up_or_run_ends_the_command_in_seconds_with_one_true_line(tmp_path, sig,
+                                                                                                   rounds, moments):
+    """One Ctrl-C while the command started could hang it for good (raised inside Python's
+    import lock while the check thread imported torch); a SIGTERM at start-up once ended
+    with a traceback; a SIGTERM a few rounds in once said "nothing was written" beside a run
+    directory holding rounds and a checkpoint. Signals at many moments, from the first
+    imports to the rounds: each ends the command within seconds, exit 130, one line, that
+    says "nothing was written" only where no round was written and names resume=DIR where
+    one was. 600 rounds train in this process (no Ray), 20,000 on a local Ray's actors."""
+    for i, when in enumerate(moments):
+        code, lines, run = signalled(tmp_path, f"runs{i}", [*SMALL, f"rounds={rounds}", "checkpoint_every=1"], sig,
+                                     when)
+        assert code == 130 and len(lines) == 1 and "Traceback" not in lines[0], (when, code, lines)
+        if (run / "checkpoint.pt").exists():
+            assert f"resume={run}" in lines[0], (when, lines)
+        elif run.exists():
+            assert f"{run} holds no round to resume from" in lines[0], (when, lines)
+        else:
+            assert "nothing was written" in lines[0], (when, lines)
+        if when == "checkpoint":
+            assert f"resume={run}" in lines[0]
+
+
+@pytest.mark.parametrize("override, named", [("fedprox.mu=1e300", "fedprox.mu=1e+300 (1e+302 times its default 0.01)"),
+                                             ("server.lr=1e308", "server.lr=1e+308 (1e+308 times its default 1)")])
+def test_the_divergence_hint_names_the_number_set_far_past_its_default(tmp_path, override, named):
+    """The hint named local.lr and local.momentum whatever the cause."""
+    r = cli([*SMALL, "algorithm=fedprox", override, "rounds=3", f"output_dir={tmp_path}", "--quiet"], tmp_path)
+    line = one_error(r, code=3)
+    assert "diverged" in line and f"The config sets {named}: try it smaller" in line, line

@@ -47,14 +47,14 @@ def collect(sweep_file: Path, runs_dir: Path | None = None, recorded: Path | Non
     "seeds", "points": [{setting, algorithm, seed, dir, record or None}], "skipped": [...]}: a
     point's record from its folder's summary.json where it has one, else its row of
     `recorded` (an earlier runs.csv), else None (not run yet)."""
-    from raysim.sweep import _label, parse, point_name, read_cells, read_skip, skipped
+    from raysim.sweep import _label, folder_name, parse, point_name, read_cells, read_skip, skipped
 
     name, _, fixed, grid = parse([], sweep_file)
     if set(grid) != set(AXES):
         raise ConfigError(f"sweep file {sweep_file}: the results table needs grid axes {', '.join(AXES)} "
                           f"(got {', '.join(grid)})")
     skip = read_skip(sweep_file, grid)
-    sweep_dir = (runs_dir or Path("runs/sweeps")) / name
+    sweep_dir = (runs_dir or Path("runs/sweeps")) / folder_name(name, grid)
     label = lambda v: _label(v) or v  # noqa: E731
     rows = read_records(recorded) if recorded is not None else {}
     tuned = _chosen(sweep_dir / "tuning.csv")  # a run here was made with its cell's choice
@@ -131,6 +131,8 @@ RECORD = ("setting", "algorithm", "seed", "final_accuracy", "final_local_accurac
           "server_model_unshared", "mib", "sim_seconds", "wall_seconds", "status", "model_sha256",
           "client_processors", "raysim_commit", "config_sha256", "tuned", "accuracy_curve", "per_client_curve",
           "after_training")
+REQUIRED = ("setting", "algorithm", "seed", "final_accuracy", "status", "model_sha256")
+ACCURACIES = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy")
 NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", "mib", "sim_seconds", "wall_seconds")
 
 
@@ -175,15 +177,47 @@ def read_records(path: Path) -> dict:
         return {}
     rows = {}
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            if any(k not in row for k in ("setting", "algorithm", "seed", "model_sha256")):
-                raise ConfigError(f"{path}: not a results table's runs.csv (columns: {', '.join(RECORD)})")
+        reader = csv.DictReader(f)
+        missing = [k for k in REQUIRED if k not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{path}: not a results table's runs.csv: no column {', '.join(missing)} "
+                              f"(columns: {', '.join(RECORD)})")
+        for line, row in enumerate(reader, start=2):
             row = {k: (v if v != "" else None) for k, v in row.items()}
             for k in NUMBERS:
-                row[k] = float(row[k]) if row.get(k) is not None else None
+                row[k] = _read_number(row.get(k), path, line, k)
+            for k in ("accuracy_curve", "per_client_curve"):
+                _check_curve(row.get(k), path, line, k)
             row["server_model_unshared"] = row.get("server_model_unshared") or None
             rows[(row["setting"], row["algorithm"], row["seed"])] = row
     return rows
+
+
+def _read_number(text: str | None, path: Path, line: int, key: str) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{path}, line {line}: {key} {text!r} is not a number") from None
+    if key in ACCURACIES and not 0 <= value <= 1:
+        raise ConfigError(f"{path}, line {line}: {key} {value} is not an accuracy in [0, 1]")
+    return value
+
+
+def _check_curve(text: str | None, path: Path, line: int, key: str) -> None:
+    """A curve is "round:accuracy ..." with whole rounds, rising, and accuracies in [0, 1]."""
+    last = 0
+    for entry in (text or "").split():
+        rnd, _, value = entry.partition(":")
+        try:
+            ok = int(rnd) > last and 0 <= float(value) <= 1
+            last = int(rnd)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{path}, line {line}: {key} entry {entry!r} is not round:accuracy (a whole round "
+                              "after the one before it, an accuracy in [0, 1])")
 
 
 def _cell(values: list, of: int, percent: bool) -> str:

@@ -36,6 +36,8 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
     from raysim.provenance import code_version
     from raysim.run import main as run
 
+    if n < 1:
+        raise ConfigError(f"--verify {n}: the number of rows to re-run must be 1 or more")
     side = doc.with_suffix("")  # the folder beside the document (published.write_doc)
     rows = read_records(side / "runs.csv")
     if not rows:
@@ -86,13 +88,14 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
                 ok = None
                 cell = [r["final_accuracy"] for k, r in rows.items() if k[:2] == key[:2] and
                         r.get("final_accuracy") is not None]
-                _, std = mean_std(cell)
+                std = mean_std(cell)[1] if cell else None
                 acc, was = again.get("final_accuracy"), row.get("final_accuracy")
                 diff = (f"{100 * (acc - was):+.2f} points" if acc is not None and was is not None else "not comparable")
                 what = (f"not judged: on {here}, not the row's {row.get('client_processors') or 'unrecorded processor'}: "
                         f"final accuracy {acc if acc is None else f'{acc:.4f}'} against the row's "
-                        f"{was if was is None else f'{was:.4f}'} ({diff}; the cell's seeds' std "
-                        f"{100 * std:.2f} points over {len(cell)} runs){commit}")
+                        f"{was if was is None else f'{was:.4f}'} ({diff}; "
+                        + (f"the cell's seeds' std {100 * std:.2f} points over {len(cell)} runs" if cell else
+                           "no run of the cell records a final accuracy") + f"){commit}")
             say(f"  {what}")
             out.append({"row": key, "same_machine": same, "same_commit": same_commit, "ok": ok, "what": what})
     return out

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, StartFailed
 
 
 def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: bool = False,
@@ -52,7 +52,7 @@ def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: boo
                                logging_level=logging.ERROR, log_to_driver=False,
                                **({"_metrics_export_port": int(port)} if port else {}))
         except Exception as e:  # e.g. a time-out waiting for Ray's processes on a loaded machine
-            raise ConfigError(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
+            raise StartFailed(f"Ray did not start on this machine ({type(e).__name__}: {first_line(e)}); Ray's "
                               "logs are in its temp folder's session_latest/logs; a time-out here means the "
                               "machine was too loaded: retry") from None
     import subprocess
