@@ -31,7 +31,7 @@ from torch.func import functional_call
 from raysim.contract import Client, ClientResult
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
-from raysim.training import SGD, base_loss, cpu_state, local_sgd, round_lr
+from raysim.training import SGD, base_loss, clipped, cpu_state, local_sgd, round_lr
 
 from raysim.algorithms._personal import Personal
 
@@ -83,8 +83,8 @@ class APFL(Personal):
 
         def after_step():
             with torch.no_grad():
-                for p, g in zip(v_params, grads["v"]):
-                    p.grad = g
+                for p, g in zip(v_params, clipped(list(grads["v"]), loc.get("clip_grad_norm"))):
+                    p.grad = g  # clipped as w's step is (local.clip_grad_norm)
                 v_opt.step()
                 if pfllib:  # after both steps, as PFLlib's alpha_update
                     ga = sum(((v[n] - p) * (alpha * g + (1 - alpha) * p.grad)).sum()

@@ -15,8 +15,9 @@ for the personal loss, p starting as a copy of the initial head), the same here,
 `_personal.Personal`). FL-bench's fedrod.py trains p on p(z) alone with z not stopped (the
 encoder learns from both losses) and adds an optional hypernetwork: not followed. The
 authors' code (hongyouc/FedRoD) was not in the reference store. `fedrod.gamma` is FL-bench's
-exponent on the counts (1: the paper's BSM; 0: plain cross-entropy), applied as FL-bench's
-`(counts ** gamma).log()`."""
+exponent on the counts (1: the paper's BSM; 0: plain cross-entropy), FL-bench's
+`(counts ** gamma).log()` taken as `gamma * counts.log()` (the same bits at gamma 1; no overflow
+of n_c ** gamma past float32 at a large gamma)."""
 from __future__ import annotations
 
 import copy
@@ -58,9 +59,10 @@ class FedRoD(Personal):
     def local_loss(self, client: Client, payload):
         gamma = float(client.cfg.fedrod.gamma)
         counts = torch.bincount(client.y, minlength=client.num_classes).to(client.device, torch.float32)
-        # log(n_c ** gamma), as FL-bench: -inf for a class the client lacks (out of its softmax) when
-        # gamma > 0; at gamma 0 every shift is log 1 = 0, plain cross-entropy (gamma x log 0 would be NaN)
-        shift = counts.pow(gamma).log()
+        # log(n_c ** gamma), as FL-bench, taken as gamma x log n_c: n_c ** gamma overflowed float32 from
+        # gamma ~23 on digits (issue 85), the product does not. -inf for a class the client lacks (out of
+        # its softmax) when gamma > 0; at gamma 0 every shift is 0, plain cross-entropy (0 x log 0 is NaN)
+        shift = gamma * counts.log() if gamma > 0 else torch.zeros_like(counts)
 
         def loss(model, x, y):
             z = model.encoder(x)

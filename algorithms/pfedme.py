@@ -37,7 +37,7 @@ from raysim.contract import Client, ClientResult
 from raysim.errors import ConfigError
 from raysim.options import Options, option
 from raysim.registry import ALGORITHMS
-from raysim.training import base_loss, cpu_state, local_sgd
+from raysim.training import base_loss, clipped, cpu_state, local_sgd
 
 from raysim.algorithms.fedavg import FedAvg
 
@@ -100,6 +100,7 @@ class PFedMe(FedAvg):
         w is lambda (w - theta) and whose value is f(theta; D) at theta's last step."""
         o, loss_of = client.cfg.pfedme, base_loss(client.cfg.local)
         lam, lr, mu = float(o.lam), float(o.personal_lr), float(o.mu)
+        clip = client.cfg.local.get("clip_grad_norm")
 
         def loss(model, x, y):
             w = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -109,8 +110,10 @@ class PFedMe(FedAvg):
                 t = {n: v.detach().requires_grad_(True) for n, v in theta.items()}
                 value = loss_of(lambda z: functional_call(model, t, (z,)), x, y)
                 g = torch.autograd.grad(value, list(t.values()))
-                for (n, v), gi in zip(t.items(), g):
-                    theta[n] = (v - lr * (gi + lam * (v - w[n].detach()) + mu * v)).detach()
+                step = clipped([gi + lam * (v - w[n].detach()) + mu * v for (n, v), gi in zip(t.items(), g)],
+                               clip)  # theta's step clipped as w's is (local.clip_grad_norm)
+                for (n, v), d in zip(t.items(), step):
+                    theta[n] = (v - lr * d).detach()
             pull = lam / 2 * sum(((p - theta[n]) ** 2).sum() for n, p in w.items())
             return value.detach() + pull - pull.detach()
 

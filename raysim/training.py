@@ -124,6 +124,17 @@ class SGD:
             p.add_(g, alpha=-self.lr)
 
 
+def clipped(grads: list, max_norm) -> list:
+    """`grads` scaled as `torch.nn.utils.clip_grad_norm_` scales a model's (total norm at most
+    `max_norm`; None: as they are), for a gradient that is no model's `.grad` (APFL's v,
+    pFedMe's theta: `local.clip_grad_norm` clips every step a client takes)."""
+    if max_norm is None:
+        return grads
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    return [g * scale for g in grads]
+
+
 def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_entropy,
               epochs: Optional[int] = None, steps: Optional[int] = None,
               on_gradients: Optional[Callable[[], None]] = None,

@@ -134,9 +134,14 @@ class QSGD:
         self.bits, self.bucket = int(bits), int(bucket)
         self.levels = 2 ** (self.bits - 1) - 1
 
+    def _bucket(self, n: int) -> int:
+        """The bucket's size for an update of n entries: `bucket`, or n where that is larger
+        (one norm either way; a bucket of 2e8 padded a 55k-entry update to 2e8 floats)."""
+        return max(1, min(self.bucket, n))
+
     def encode(self, v: torch.Tensor, gen: torch.Generator) -> Message:
         v = v.detach().reshape(-1).float().cpu()
-        n, d, s = v.numel(), self.bucket, self.levels
+        n, d, s = v.numel(), self._bucket(v.numel()), self.levels
         padded = torch.zeros(-(-n // d) * d)
         padded[:n] = v
         buckets = padded.view(-1, d)
@@ -155,7 +160,7 @@ class QSGD:
         code = torch.from_numpy(unpack_bits(m.parts["codes"], self.bits, m.n))
         level = (code & (2 ** (self.bits - 1) - 1)).float()
         sign = 1.0 - 2.0 * (code >> (self.bits - 1)).float()
-        norms = torch.from_numpy(m.parts["norms"].copy()).repeat_interleave(self.bucket)[:m.n]
+        norms = torch.from_numpy(m.parts["norms"].copy()).repeat_interleave(self._bucket(m.n))[:m.n]
         return norms * sign * level / self.levels
 
 

@@ -14,6 +14,7 @@ from raysim import registry
 from raysim.config.files import CONFIG_DIR, DEFAULT_YAML, find_config, load_yaml, read_yaml
 from raysim.config.record import RESUMABLE_KEYS
 from raysim.config.sections import plugin_sections, schema, unused_sections, used_sections
+from raysim.config.unread import unread_keys
 from raysim.config.validate import check_ray, validate
 from raysim.errors import ConfigError
 
@@ -158,6 +159,10 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
     for source, name, key in unused_sections(layers, cfg):
         if source != OVERRIDES and not cfg.get("resume") and news(source, name):
             lines.append(f"note: {short(source)} sets {name}.*, which {key}={cfg[key]} does not read")
+    for source, key, reader in unread_keys(layers, cfg):
+        if source != OVERRIDES and not cfg.get("resume") and source not in whole:
+            lines.append(f"note: {short(source)} sets {key}, which this run does not read (it is read only with "
+                         f"{reader})")
     if defaulted_test_split(layers, cfg):
         lines.append(f"note: algorithm={cfg.algorithm} tests each client's own model on its own test split: "
                      f"partition.test_fraction={PERSONAL_TEST_FRACTION} of each client's samples (set "
@@ -169,10 +174,21 @@ def describe_layers(layers: Layers, cfg) -> list[str]:
     return lines
 
 
+def _current(cfg, key: str) -> str:
+    """The choices beside `key` that decide whether it is read, as this run has them."""
+    deciding = {"compress": ["compress.up"], "heterofl": ["heterofl.variant"],
+                "eval": ["partition.name", "partition.test_fraction"]}[key.split(".")[0]]
+    return ", ".join(f"{k}={OmegaConf.select(cfg, k)}" for k in deciding)
+
+
 def check_sections(layers: "Layers", cfg) -> None:
     """A section set on the command line that the run does not read is an error: the user
     would run another experiment than the one asked for. (A --config file may carry sections
     for several algorithms, so that one file serves a comparison: `describe_layers` notes them.)"""
+    for source, key, reader in unread_keys(layers, cfg):
+        if source == OVERRIDES:
+            raise ConfigError(f"{key} is set but this run does not read it: it is read only with {reader} "
+                              f"(here {_current(cfg, key)}); unset {key}")
     for source, name, key in unused_sections(layers, cfg):
         if source == OVERRIDES:
             reads = sorted(used_sections(cfg))

@@ -21,10 +21,15 @@ def _check_name(cfg: DictConfig, key: str, reg: registry.Registry) -> None:
         raise ConfigError(f"{key}={name!r} is not a known {reg.kind}; choose one of: {', '.join(reg.names())}")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _non_finite(node, key: str = "") -> Optional[str]:
-    """The first key (dotted, [i] for list items) whose value is a NaN or infinite number."""
+    """The first key (dotted, [i] for list items) whose value is a NaN or infinite number,
+    or a float past float32's range (the precision the models train in: `local.lr=1e300`
+    passed and the run died in its first step as a code failure)."""
     if isinstance(node, float):
-        return None if math.isfinite(node) else key
+        return None if math.isfinite(node) and abs(node) <= FLOAT32_MAX else key
     if isinstance(node, dict):
         children = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
     elif isinstance(node, list):
@@ -42,7 +47,8 @@ def validate(cfg: DictConfig) -> None:
     """Checks that need no data: names exist, numbers are finite and in range."""
     bad = _non_finite(OmegaConf.to_container(cfg))
     if bad is not None:
-        raise ConfigError(f"{bad}={OmegaConf.select(cfg, bad)} is not a finite number; give a finite value")
+        raise ConfigError(f"{bad}={OmegaConf.select(cfg, bad)} is not a finite number of float32's range (the "
+                          f"models train in float32: at most {FLOAT32_MAX:.3g}); give a smaller value")
     _check_name(cfg, "algorithm", registry.ALGORITHMS)
     _check_name(cfg, "selection", registry.SELECTIONS)
     _check_name(cfg, "dataset", registry.DATASETS)
