@@ -52,6 +52,7 @@ class LabelCountSelection(Selection):
     """A selection strategy that learns each client's (possibly noisy) label counts once."""
 
     epsilon = 0.0  # Laplace DP budget for the upload; 0 = no noise
+    reads_every_client = True  # every client's counts before round 1, all scanned at each pick
 
     def setup(self, server) -> None:
         """The counts of the clients there (all of them unless some join late)."""

@@ -352,6 +352,10 @@ class Selection:
     config_section: ClassVar[Optional[str]] = None
     client_state: ClassVar[bool] = False
     """True: the client methods it runs (`on="selection"`) keep `client.state` between rounds."""
+    reads_every_client: ClassVar[bool] = False
+    """True: it learns something of every client before round 1 and scans them all at each
+    pick (FedEntOpt's label counts): O(clients), refused for a population of millions made
+    when picked (data/population.py)."""
     uniform_draw: ClassVar[bool] = False
     """True: `select(rnd, 1, rng)` is `available[rng.choice(len(available), 1, replace=False)[0]]`,
     so an asynchronous run may draw its index without listing `available` per arrival

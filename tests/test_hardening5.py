@@ -324,3 +324,38 @@ def test_clip_grad_norm_clips_the_personal_models_steps_too(algorithm, kept):
         s.run_clients(1, [0], s.algorithm.broadcast(1))
         moved = max(float((s.states[0][kept][k] - start[k]).abs().max()) for k in w)
         assert (moved > 1e-3) == moves, (clip, moved)
+
+
+# ---------------------------------------------------------------- populations
+@pytest.mark.parametrize("generate", ["lazy", "all"])
+def test_an_empty_global_test_set_is_refused_before_round_1(tmp_path, generate):
+    """Users with 2 samples at synthetic.test_fraction 0.2: no test sample; the run exited 0
+    reporting "final accuracy 0.0000"."""
+    r = cli(["dataset=synthetic", "partition=natural", "model=mclr", "num_clients=50", "synthetic.samples_per_client=2",
+             f"synthetic.generate={generate}", "rounds=2", f"output_dir={tmp_path / 'runs'}", "--quiet"], tmp_path)
+    line = one_error(r)
+    assert "the global test set is empty" in line and "synthetic.test_fraction=0.2 of a client's 2 to 2 samples" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_selection_that_reads_every_client_is_refused_on_a_lazy_population_of_hundreds_of_thousands():
+    """selection=fedentopt on a lazy population made every user's label counts before round
+    1, silently: 110 s for 200,000 users, hours at the README's 15 million."""
+    from raysim.config import ConfigError, load_config
+
+    lazy = ["dataset=synthetic", "partition=natural", "synthetic.generate=lazy", "synthetic.samples_per_client=20",
+            "synthetic.test_users=100", "eval.local_clients=10"]
+    with pytest.raises(ConfigError, match="selection=fedentopt reads every client's label counts before round 1"):
+        load_config(overrides=[*lazy, "num_clients=200000", "selection=fedentopt"])
+    load_config(overrides=[*lazy, "num_clients=200000"])  # random selection: O(picked clients)
+    load_config(overrides=[*lazy, "num_clients=2000", "selection=fedentopt"])
+
+
+def test_show_partition_plot_of_a_lazy_population_draws_the_users_it_lists(tmp_path):
+    """--show-partition lists a lazy population's first 1,000 users; --plot made all of them
+    (60 s for 200,000; ~40 min at 15 M) and drew every client."""
+    r = cli(["dataset=synthetic", "partition=natural", "model=mclr", "num_clients=20000", "synthetic.generate=lazy",
+             "synthetic.samples_per_client=20", "--show-partition", "--plot", str(tmp_path / "p.png")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "partition picture: " in r.stderr and "(the first 1,000 users, as listed" in r.stderr, r.stderr
+    assert (tmp_path / "p.png").stat().st_size > 0 and "19,000 more users" in r.stdout

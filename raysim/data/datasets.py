@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # torch is imported where images are decoded, not by every lo
     from raysim.data.population import Population
 
 
+LAZY_SCAN_LIMIT = 100_000  # users of a lazy population a selection that reads every client may take
+
+
 @dataclass
 class FederatedData:
     """A dataset as whole arrays, plus the natural owner of each sample where it has one."""
@@ -533,6 +536,13 @@ class SyntheticOptions(Options):
                 raise ConfigError(f"synthetic.generate=lazy with {cfg.num_clients} users: each evaluation would make "
                                   "and test every user's own split; set eval.local_clients (e.g. 100) to test a "
                                   "sample of them each evaluation")
+            from raysim.registry import SELECTIONS
+
+            if SELECTIONS.get(cfg.selection).reads_every_client and int(cfg.num_clients) > LAZY_SCAN_LIMIT:
+                raise ConfigError(f"selection={cfg.selection} reads every client's label counts before round 1 and "
+                                  f"scans them all at each pick: synthetic.generate=lazy would make all "
+                                  f"{cfg.num_clients} users for it first (110 s for 200,000 on 2 cores, hours at "
+                                  f"millions); at most {LAZY_SCAN_LIMIT:,} users with it, or another selection")
             return
         Synthetic.check_memory(cfg)
 

@@ -114,6 +114,14 @@ class FederatedServer:
                         num_classes, data.norm, data.pixel_max, self.sizes]
         tested = slice(None) if data.global_test is None else data.global_test  # synthetic.test_users: a sample's
         self.x_test, self.y_test = data.inputs(data.x_test[tested].copy()), torch.from_numpy(data.y_test[tested].copy())
+        if not len(self.y_test):  # every accuracy would read 0.0 (a finished run "at 0 %", issue 85)
+            self.release_actors()
+            share = "synthetic.test_fraction" if self.cfg.dataset == "synthetic" else "partition.test_fraction"
+            users = "" if data.global_test is None else f" of the {len(data.global_test)} test users drawn"
+            raise ConfigError(f"the global test set is empty: the test splits{users} hold no sample "
+                              f"({share}={OmegaConf.select(self.cfg, share)} of a client's {int(np.min(self.sizes))} "
+                              f"to {int(np.max(self.sizes))} samples rounds to none); give the clients more samples "
+                              f"or a larger {share}")
         self.local_tests = clients_test_data(data, part, self.cfg)  # None: clients have no test data of their own
         unshared = ALGORITHMS.get(self.cfg.algorithm).unshared
         if (int(self.cfg.eval.finetune_epochs) > 0 or unshared) and self.local_tests is None:
