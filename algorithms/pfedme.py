@@ -17,10 +17,12 @@ Compared with the authors' code (CharlieDinh/pFedMe, userpFedMe.py `train` and
 pFedMeOptimizer: theta <- theta - personal_lr (grad + lambda (theta - w) + mu theta), K
 steps on each batch, then w <- w - lambda learning_rate (w - theta); serverpFedMe.py
 `persionalized_aggregate_parameters`: (1 - beta) previous + beta sample-weighted mean).
-Defaults are theirs for MNIST (lambda 15, personal_lr 0.09, K 5, beta 1), whose models are
-an MLP and logistic regression: theta's step is stable only where personal_lr (L + lambda) < 2,
-L the batch loss's curvature, which for the zoo's CNN on MNIST is 18-26 in rounds 1-3
-(docs/algorithms.md): there use personal_lr 0.01 (a diverged run says so). Not followed: their
+Defaults are theirs for MNIST (lambda 15, K 5, beta 1) but personal_lr: 0.01 (PFLlib's `-lrp`),
+not their 0.09, chosen for models that are an MLP and logistic regression. theta's step is
+stable only where personal_lr (L + lambda) < 2, L the batch loss's curvature, which for the
+zoo's CNN on MNIST is 18-26 in rounds 1-3 (docs/algorithms.md): at 0.09 (L under 7.2) a
+first run with the CNN stopped as diverged in round 1 (MNIST and Fashion-MNIST #C=2, 20
+clients, issue 85); 0.01 allows L up to 185. `pfedme.personal_lr=0.09` is the authors'. Not followed: their
 server has every client train every round and aggregates the selected ones only; here only
 the selected clients train (as FL-bench's and PFLlib's pFedMe). The w step goes through the
 shared training loop (`local.momentum`, `local.weight_decay` apply; the authors' is plain:
@@ -45,7 +47,7 @@ from raysim.algorithms.fedavg import FedAvg
 @dataclass
 class PFedMeOptions(Options):
     lam: float = option(15.0, above=0)  # lambda: the pull between theta and w (the authors' MNIST: 15)
-    personal_lr: float = option(0.09, above=0)  # theta's step (the authors' MNIST: 0.09)
+    personal_lr: float = option(0.01, above=0)  # theta's step (PFLlib's -lrp; the authors' MNIST: 0.09, unstable on a CNN)
     k: int = option(5, at_least=1)  # theta's steps per batch
     mu: float = option(0.0, at_least=0)  # the authors' L2 term on theta (0 in their scripts)
     beta: float = option(1.0, above=0)  # the server's mix: (1 - beta) w + beta avg (1: FedAvg's mean)
@@ -73,7 +75,8 @@ class PFedMe(FedAvg):
         bound = 2 / float(o.personal_lr) - float(o.lam)
         return (f"pFedMe's inner step on theta is stable only where pfedme.personal_lr x (L + pfedme.lam) < 2 for "
                 f"the batch loss's curvature L: here L under {bound:.3g} (a CNN's on MNIST is 18-26 in rounds 1-3, "
-                f"docs/algorithms.md); try a smaller pfedme.personal_lr (now {o.personal_lr}), e.g. 0.01")
+                f"docs/algorithms.md); try a smaller pfedme.personal_lr (now {o.personal_lr}), e.g. "
+                f"{min(0.01, float(o.personal_lr) / 3):g}")
 
     @classmethod
     def config_notes(cls, cfg) -> list:

@@ -359,3 +359,22 @@ def test_show_partition_plot_of_a_lazy_population_draws_the_users_it_lists(tmp_p
     assert r.returncode == 0, r.stderr
     assert "partition picture: " in r.stderr and "(the first 1,000 users, as listed" in r.stderr, r.stderr
     assert (tmp_path / "p.png").stat().st_size > 0 and "19,000 more users" in r.stdout
+
+
+# ---------------------------------------------------------------- defaults that cannot work
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+@pytest.mark.skipif(not FMNIST.is_file(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_pfedme_at_its_defaults_trains_the_zoos_cnn(tmp_path):
+    """pFedMe at its defaults (personal_lr 0.09, the authors' MNIST value for an MLP) stopped
+    as diverged in round 1 on the zoo's CNN, #C=2, lr 0.01, momentum 0.9 (MNIST and
+    Fashion-MNIST): theta's step is stable only where personal_lr (L + lam) < 2, and the CNN's
+    batch curvature L is 18-26. The default is PFLlib's 0.01; the authors' 0.09 still diverges."""
+    setup = ["dataset=fmnist", "model=cnn", "algorithm=pfedme", "num_clients=20", "clients_per_round=2",
+             "partition=classes", "partition.k=2", "partition.test_fraction=0.2", "local.lr=0.01",
+             "local.momentum=0.9", "rounds=1", "--quiet"]
+    r = cli([*setup, f"output_dir={tmp_path / 'a'}"], tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    r = cli([*setup, "pfedme.personal_lr=0.09", f"output_dir={tmp_path / 'b'}"], tmp_path)
+    assert "pfedme diverged" in one_error(r, code=3) and "L under 7.22" in r.stderr
