@@ -179,12 +179,13 @@ def test_perfedavg_steps_from_w_with_beta_and_adapts_one_step_at_alpha_for_evalu
     assert all(torch.allclose(p.update[k], w[k] - 0.5 * g[k], atol=1e-6) for k in w)
 
 
-def test_perfedavgs_meta_step_is_plain_sgd_at_the_local_lr_by_default():
+def test_perfedavgs_meta_step_is_plain_sgd_at_fedavgs_effective_step_by_default():
     """Both references' meta optimiser is plain SGD (FL-bench's `meta_optimizer`, PFLlib's
     PerAvgOptimizer): with local.momentum 0.9 and weight decay set, two meta steps (each a
     batch of 2 x 2: one pass over the 4 samples, a new permutation each) move w by beta =
-    local.lr (PFLlib's beta = lr) times each meta-gradient, with no momentum carried from the
-    first step to the second and no decay. (Before issue 71: beta 0.001 through the
+    local.lr / (1 - local.momentum) (the step FedAvg's momentum SGD takes in effect; PFLlib's
+    beta = lr at momentum 0: issue 85) times each meta-gradient, with no momentum carried from
+    the first step to the second and no decay. (Before issue 71: beta 0.001 through the
     shared optimiser's momentum and decay.)"""
     from raysim.seeds import seed_for
 
@@ -196,9 +197,9 @@ def test_perfedavgs_meta_step_is_plain_sgd_at_the_local_lr_by_default():
         perm = torch.randperm(4, generator=g)
         x, y = X[perm], Y[perm]
         v = _grad({k: w[k] - 0.5 * _grad(w, x[:2], y[:2])[k] for k in w}, x[2:], y[2:])
-        w = {k: w[k] - 0.5 * v[k] for k in w}
+        w = {k: w[k] - 0.5 / (1 - 0.9) * v[k] for k in w}
     (r,) = s.run_clients(1, [0], s.algorithm.broadcast(1))
-    assert r.metrics["steps"] == 2 and r.metrics["lr"] == 0.5
+    assert r.metrics["steps"] == 2 and r.metrics["lr"] == pytest.approx(5.0)
     for k in w:
         assert torch.allclose(r.update[k], w[k], atol=1e-6), k
 
@@ -476,7 +477,8 @@ def test_fedalas_window_starts_anywhere_and_keeps_its_last_short_batch():
 
 
 def test_perfedavg_and_fedproto_say_when_a_measured_default_fails_the_run_and_only_then():
-    """Per-FedAvg: a meta step not above the adaptation step (beta null is local.lr); FedProto:
+    """Per-FedAvg: a meta step not above the adaptation step (beta null is local.lr / (1 -
+    local.momentum)); FedProto:
     the authors' absent-class rule with fewer clients a round than the population."""
     from raysim.config import load_config
     from raysim.registry import ALGORITHMS
@@ -484,7 +486,8 @@ def test_perfedavg_and_fedproto_say_when_a_measured_default_fails_the_run_and_on
     def notes(name: str, *overrides) -> str:
         return " ".join(ALGORITHMS.get(name).config_notes(load_config(overrides=[f"algorithm={name}", *overrides])))
 
-    assert "set perfedavg.beta above local.lr" in notes("perfedavg", "local.lr=0.1")  # beta = lr
+    assert "set perfedavg.beta above local.lr" in notes("perfedavg", "local.lr=0.1", "local.momentum=0")  # beta = lr
+    assert "perfedavg.beta above" not in notes("perfedavg", "local.lr=0.1")  # beta = lr / (1 - 0.9) = 1
     assert "set perfedavg.beta above local.lr" in notes("perfedavg", "local.lr=0.1", "perfedavg.beta=0.05")
     assert "perfedavg.beta above" not in notes("perfedavg", "local.lr=0.01", "perfedavg.beta=0.1")
     assert "fedproto.absent=keep" in notes("fedproto", "participation=0.5")
