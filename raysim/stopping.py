@@ -62,7 +62,9 @@ def started() -> None:
         raise KeyboardInterrupt
 
 
-def _stop_children() -> None:
+def stop_children() -> None:
+    """Kill this process's child processes (a local Ray's raylet, GCS and workers, the forked
+    check)."""
     import psutil
 
     for child in psutil.Process().children(recursive=True):
@@ -102,7 +104,7 @@ def signals(message: str = "interrupted before the run started: nothing was writ
                             print(message, file=sys.stderr, flush=True)
                             with contextlib.suppress(Exception):
                                 sys.stdout.flush()
-                            _stop_children()
+                            stop_children()
                             os._exit(130)
 
     watcher = threading.Thread(target=watch, name="raysim-signals", daemon=True)

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Optional
 
 from raysim.errors import ConfigError, StartFailed
+from raysim.stopping import stop_children
 
 
 def start_ray(ray_cfg, say: Optional[Callable[[str], None]] = None, command: bool = False,
@@ -136,7 +137,7 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
     def interrupted() -> None:  # the watcher or the main thread, whichever comes first; one line
         if ending.acquire(blocking=False):
             print(f"interrupted {what}: nothing was written", file=sys.stderr, flush=True)
-            _stop_children()
+            stop_children()
             os._exit(130)
 
     def watch() -> None:
@@ -153,7 +154,7 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
                 if code is not None:
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    _stop_children()
+                    stop_children()
                     os._exit(code)
 
     watcher = threading.Thread(target=watch, name="raysim-interruptible", daemon=True)
@@ -174,15 +175,6 @@ def interruptible(what: str, meanwhile: Optional[Meanwhile] = None):
         watcher.join()
         os.close(r)
         os.close(w)
-
-
-def _stop_children() -> None:
-    """Kill this process's child processes (a local Ray's raylet, GCS and workers)."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.kill()
 
 
 @contextlib.contextmanager
