@@ -171,6 +171,7 @@ def signalled(tmp_path, name: str, args: list, sig, when) -> tuple:
     elif when == "handlers":  # the first moment raysim's own handlers are in place (Python's start-up before)
         while not catches_sigterm(p.pid):
             assert p.poll() is None and time.time() < deadline
+            time.sleep(0.002)
     else:
         while not (seen.is_set() if when != "checkpoint" else (out / "r" / "checkpoint.pt").exists()):
             assert p.poll() is None and time.time() < deadline, (when, lines)
