@@ -196,24 +196,29 @@ def check_paired(name: str, x_file, n_x: int, y_file, n_y: int) -> None:
                           "they must be the same split of the same copy: fetch both again")
 
 
+IDX_ITEMSIZE = {0x08: 1, 0x09: 1, 0x0B: 2, 0x0C: 4, 0x0D: 4, 0x0E: 8}  # an IDX file's item types: bytes each
+
+
+def _idx_shape(head: bytes, size: int, types: dict = IDX_ITEMSIZE) -> tuple[tuple, Optional[str]]:
+    """An IDX file's shape from its first bytes (a 4-byte magic 0, 0, type, ndim, then ndim
+    big-endian sizes) and its length in bytes, which must be the header's and exactly
+    prod(sizes) items: (shape, None), or (shape or (), why it is no whole IDX file). Serves
+    a file on disk (`_check_idx`) and one read into memory (`_read_idx`)."""
+    ndim = head[3] if len(head) >= 4 else 0
+    if len(head) < 4 + 4 * ndim or head[:2] != b"\0\0" or head[2] not in types:
+        return (), f"no IDX header ({size:,} bytes)"
+    shape = tuple(int(d) for d in np.frombuffer(head[4:4 + 4 * ndim], ">u4"))
+    expected = 4 + 4 * ndim + types[head[2]] * int(np.prod(shape, dtype=np.int64))
+    return shape, (None if size == expected else f"its header says {expected} bytes, it has {size}")
+
+
 def _check_idx(name: str, path: Path, shown: Path) -> None:
-    """An IDX file holds a 4-byte magic (0, 0, type, ndim), ndim big-endian sizes and then
-    exactly prod(sizes) items; anything else is a corrupt or truncated file."""
-    itemsize = {0x08: 1, 0x09: 1, 0x0B: 2, 0x0C: 4, 0x0D: 4, 0x0E: 8}
+    """A corrupt or truncated IDX file on disk: removed (unless it is the file the user
+    gave, `shown`) and named."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
-        head = fh.read(4)
-        ok = len(head) == 4 and head[:2] == b"\0\0" and head[2] in itemsize
-        if ok:
-            dims = fh.read(4 * head[3])
-            ok = len(dims) == 4 * head[3]
-    if ok:
-        expected = 4 + len(dims) + itemsize[head[2]] * int(np.prod(np.frombuffer(dims, ">u4"), dtype=np.int64))
-        ok = size == expected
-        why = f"its header says {expected} bytes, it has {size}"
-    else:
-        why = f"no IDX header ({size} bytes)"
-    if not ok:
+        _, why = _idx_shape(fh.read(4 + 4 * 255), size)
+    if why is not None:
         if path != shown:
             path.unlink(missing_ok=True)
         raise ConfigError(f"dataset {name!r}: {shown} is corrupt or truncated ({why}); delete it and fetch it again")
@@ -246,13 +251,10 @@ def _read_idx(name: str, path: Path) -> np.ndarray:
     except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, bad CRC, unreadable
         raise ConfigError(f"dataset {name!r}: {path} cannot be read ({type(e).__name__}: "
                           f"{str(e)[:100] or 'truncated'}); fetch it again") from None
-    ndim = data[3] if len(data) >= 4 else 0
-    ok = len(data) >= 4 + 4 * ndim and data[:3] == b"\0\0\x08"
-    shape = tuple(int(d) for d in np.frombuffer(data[4:4 + 4 * ndim], ">u4")) if ok else ()
-    if not ok or len(data) != 4 + 4 * ndim + int(np.prod(shape, dtype=np.int64)):
-        raise ConfigError(f"dataset {name!r}: {path} is not a whole IDX file of bytes ({len(data):,} bytes"
-                          f"{f', its header says {shape}' if ok else ''}); fetch it again")
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    shape, why = _idx_shape(data[:4 + 4 * 255], len(data), {0x08: 1})
+    if why is not None:
+        raise ConfigError(f"dataset {name!r}: {path} is not a whole IDX file of bytes ({why}); fetch it again")
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * len(shape)).reshape(shape)
 
 
 def _idx_from_folder(name: str, files: list[Path], mean: float, std: float) -> FederatedData:
