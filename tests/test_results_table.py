@@ -566,6 +566,43 @@ def test_verify_checks_the_config_hash_names_the_commit_and_reports_another_proc
     assert len(said) == 12  # a line per row and one per result
 
 
+def test_a_cost_claim_is_read_in_mib_sent_to_a_target_from_the_rows_mib_curve(tmp_path):
+    """Issue 84 (LG-FedAvg: fewer bytes): `measure: mib_to_target` reads the MiB each run has
+    sent when it first reaches the target share of the baseline's accuracy (runs.csv's
+    mib_curve, recorded per evaluated round). Worked by hand: 90 % of FedAvg's final 0.90 is
+    0.81; FedAvg reaches it at rounds 15, 15, 10, having sent 30, 30, 20 MiB; FedPer at round
+    5 in every seed, having sent 60, 61, 52: differences 30, 31, 32 MiB, t = 53.7 with 2 df:
+    more bytes, so "fewer bytes" is a no, where "fewer rounds" is a yes. A row without a
+    mib_curve (made before it was recorded): no verdict."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1, 2]"))
+    (tmp_path / "results").mkdir()
+    glob = {"fedavg": ["5:0.5000 10:0.8000 15:0.9000", "5:0.5000 10:0.8000 15:0.9000", "5:0.5000 10:0.8200 15:0.9000"],
+            "fedper": ["5:0.8500 10:0.5000 15:0.5000", "5:0.8600 10:0.5100 15:0.5000", "5:0.8700 10:0.5000 15:0.5200"]}
+    mib = {"fedavg": ["5:10 10:20 15:30"] * 3, "fedper": ["5:60 10:120 15:180", "5:61 10:122 15:183", "5:52 10:104 15:156"]}
+
+    def verdict(claim: str, with_mib: bool = True) -> str:
+        rows = [{"setting": "digits", "algorithm": a, "seed": str(s), "status": "finished", "final_accuracy": "0.5",
+                 "model_sha256": f"{s}{a}".ljust(64, "0"), "accuracy_curve": glob[a][s],
+                 "mib_curve": mib[a][s] if with_mib else ""} for a in glob for s in range(3)]
+        with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+            w = csv.DictWriter(out, RECORD)
+            w.writeheader()
+            w.writerows(rows)
+        (tmp_path / "results" / "claims.yaml").write_text(claim)
+        write_doc(f, tmp_path / "results.md", tmp_path / "runs", last=1)
+        line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith("| fedper |"))
+        return line.split(" | ")[-2]
+
+    cost = "fedper: {baseline: fedavg, judge: global, measure: mib_to_target, target: 0.9, direction: below, claim: x}"
+    assert verdict(cost) == "[no](#claim-fedper)"
+    assert "MiB sent to 90 % of fedavg's accuracy, fewer claimed" in (tmp_path / "results.md").read_text()
+    assert verdict(cost.replace("mib_to_target", "rounds_to_target")) == "[yes](#claim-fedper)"
+    assert verdict(cost, with_mib=False) == "-"
+
+
 def test_the_processor_names_the_instruction_set_torch_uses():
     """Two "AMD EPYC" machines, one with AVX512, give other bits (issue 84): the processor
     a run records says which vector kernels torch chose (ATEN_CPU_CAPABILITY lowers them)."""

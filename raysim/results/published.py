@@ -27,6 +27,7 @@ Only finished runs are read; nothing runs here (the sweep does that, and resumes
 from __future__ import annotations
 
 import csv
+import math
 import io
 import itertools
 import json
@@ -130,7 +131,7 @@ def _method(value) -> str:
 RECORD = ("setting", "algorithm", "seed", "final_accuracy", "final_local_accuracy", "final_personal_accuracy",
           "server_model_unshared", "mib", "sim_seconds", "wall_seconds", "status", "model_sha256",
           "client_processors", "raysim_commit", "config_sha256", "tuned", "accuracy_curve", "per_client_curve",
-          "after_training")
+          "after_training", "mib_curve")
 REQUIRED = ("setting", "algorithm", "seed", "final_accuracy", "status", "model_sha256")
 ACCURACIES = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy")
 NUMBERS = ("final_accuracy", "final_local_accuracy", "final_personal_accuracy", "mib", "sim_seconds", "wall_seconds")
@@ -143,6 +144,7 @@ def _record(point: dict, summary: dict, run_dir: Path) -> dict:
     row["mib"] = (rounds[-1]["bytes_down"] + rounds[-1]["bytes_up"]) / 2 ** 20 if rounds else None
     row["client_processors"] = "; ".join(summary.get("client_processors") or []) or None
     row["accuracy_curve"], row["per_client_curve"] = _curves(rounds)
+    row["mib_curve"] = _mib_curve(rounds)
     # a model made after the last round (CCVR's calibration): the run ends with it, and its
     # final_* accuracies are that model's, which no round's evaluation saw
     row["after_training"] = 1 if summary.get("after_training") else None
@@ -159,6 +161,15 @@ def _metrics(run_dir: Path) -> list[dict]:
     names = set(pq.read_schema(f).names)
     wanted = ("round", "accuracy", "personal_accuracy", "local_accuracy", "bytes_down", "bytes_up")
     return pq.read_table(f, columns=[c for c in wanted if c in names]).to_pylist()
+
+
+def _mib_curve(rows: list[dict]) -> str | None:
+    """The MiB sent both ways up to each evaluated round, "round:MiB ..." (a cost claim's
+    measure, `mib_to_target`: LG-FedAvg's warm start sends the whole model, then the head)."""
+    evaluated = ("accuracy", "personal_accuracy", "local_accuracy")
+    points = [f"{r['round']}:{(r['bytes_down'] + r['bytes_up']) / 2 ** 20:.6g}" for r in rows
+              if r.get("bytes_down") is not None and any(r.get(k) is not None for k in evaluated)]
+    return " ".join(points) or None
 
 
 def _curves(rows: list[dict]) -> tuple[str | None, str | None]:
@@ -186,7 +197,7 @@ def read_records(path: Path) -> dict:
             row = {k: (v if v != "" else None) for k, v in row.items()}
             for k in NUMBERS:
                 row[k] = _read_number(row.get(k), path, line, k)
-            for k in ("accuracy_curve", "per_client_curve"):
+            for k in ("accuracy_curve", "per_client_curve", "mib_curve"):
                 _check_curve(row.get(k), path, line, k)
             row["server_model_unshared"] = row.get("server_model_unshared") or None
             rows[(row["setting"], row["algorithm"], row["seed"])] = row
@@ -206,18 +217,20 @@ def _read_number(text: str | None, path: Path, line: int, key: str) -> float | N
 
 
 def _check_curve(text: str | None, path: Path, line: int, key: str) -> None:
-    """A curve is "round:accuracy ..." with whole rounds, rising, and accuracies in [0, 1]."""
-    last = 0
+    """A curve is "round:accuracy ..." with whole rounds, rising, and accuracies in [0, 1]
+    (`mib_curve`: "round:MiB", MiB a number >= 0)."""
+    last, top = 0, math.inf if key == "mib_curve" else 1
     for entry in (text or "").split():
         rnd, _, value = entry.partition(":")
         try:
-            ok = int(rnd) > last and 0 <= float(value) <= 1
+            ok = int(rnd) > last and 0 <= float(value) <= top
             last = int(rnd)
         except ValueError:
             ok = False
         if not ok:
-            raise ConfigError(f"{path}, line {line}: {key} entry {entry!r} is not round:accuracy (a whole round "
-                              "after the one before it, an accuracy in [0, 1])")
+            what = "round:MiB (a whole round after the one before it, MiB >= 0)" if key == "mib_curve" else \
+                "round:accuracy (a whole round after the one before it, an accuracy in [0, 1])"
+            raise ConfigError(f"{path}, line {line}: {key} entry {entry!r} is not {what}")
 
 
 def _cell(values: list, of: int, percent: bool) -> str:
@@ -429,7 +442,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
     return {"runs": len(plan["points"]), "done": len(done)}
 
 
-MEASURES = ("accuracy", "rounds_to_target")
+MEASURES = ("accuracy", "rounds_to_target", "mib_to_target")
+TO_TARGET = ("rounds_to_target", "mib_to_target")
 
 
 def read_claims(path: Path, settings: list, algorithms: list) -> dict:
@@ -439,7 +453,8 @@ def read_claims(path: Path, settings: list, algorithms: list) -> dict:
     table's, the claim is about another kind of setting), direction (above, the default: the
     paper has the method above its baseline | below), measure (accuracy, the default |
     rounds_to_target: a speed claim, read as the rounds each run takes to reach `target` times
-    the baseline cell's mean accuracy, "below" meaning fewer), also_against (a second
+    the baseline cell's mean accuracy, "below" meaning fewer | mib_to_target: a cost claim, the
+    MiB sent until then, from runs.csv's mib_curve), also_against (a second
     baseline whose verdict the cell shows beside: the Local row for personalised methods)}}."""
     if not path.is_file():
         return {}
@@ -470,10 +485,10 @@ def read_claims(path: Path, settings: list, algorithms: list) -> dict:
         if measure not in MEASURES:
             raise ConfigError(f"{where}: measure must be one of {', '.join(MEASURES)}, not {measure!r}")
         target = c.get("target")
-        if (measure == "rounds_to_target") != (target is not None) or (
+        if (measure in TO_TARGET) != (target is not None) or (
                 target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1)):
             raise ConfigError(f"{where}: target (a fraction in (0, 1] of the baseline's accuracy) goes with "
-                              f"measure rounds_to_target, and only with it; got {target!r}")
+                              f"measure rounds_to_target or mib_to_target, and only with them; got {target!r}")
         out[a] = {"baseline": c["baseline"], "judge": c["judge"], "claim": str(c["claim"]).strip(),
                   "settings": None if c.get("settings") is None else list(c["settings"]),
                   "direction": c.get("direction", "above"), "measure": measure, "target": target,
@@ -487,22 +502,35 @@ def _values(points: list, own: bool, last: int) -> dict:
             for p in points if p["record"] is not None}
 
 
-def _rounds_to(points: list, own: bool, level: float) -> dict:
+def _rounds_to(points: list, own: bool, level: float, mib: bool = False) -> dict:
     """{seed: the first evaluated round whose accuracy reaches `level`} of a cell's finished
-    runs; a run that never does: its last round plus one evaluation interval (beyond its
-    end); None for a run that diverged or has no curve."""
+    runs (`mib`: the MiB sent up to that round, its mib_curve's); a run that never does: its
+    last round plus one evaluation interval (beyond its end; in MiB, the last interval's MiB
+    once more); None for a run that diverged or has no curve (no mib_curve: a row of before
+    it was recorded)."""
     out = {}
     for p in points:
         if p["record"] is None:
             continue
         text = _own_curve(p["record"]) if own else p["record"].get("accuracy_curve")
-        if p["record"].get("status") == "diverged" or not text:
+        cost = dict(_pairs(p["record"].get("mib_curve"))) if mib else None
+        if p["record"].get("status") == "diverged" or not text or (mib and not cost):
             out[str(p["seed"])] = None
             continue
-        curve = [(int(x.split(":")[0]), float(x.split(":")[1])) for x in text.split()]
-        step = curve[-1][0] - curve[-2][0] if len(curve) > 1 else 1
-        out[str(p["seed"])] = next((r for r, v in curve if v >= level), curve[-1][0] + step)
+        curve = _pairs(text)
+        x = cost if mib else {r: float(r) for r, _ in curve}
+        rounds = [r for r, _ in curve if r in x]
+        reached = next((r for r, v in curve if v >= level and r in x), None)
+        if reached is not None:
+            out[str(p["seed"])] = x[reached]
+        else:  # beyond the end: one more interval
+            out[str(p["seed"])] = (2 * x[rounds[-1]] - x[rounds[-2]]) if len(rounds) > 1 else x[rounds[-1]] + 1
     return out
+
+
+def _pairs(text: str | None) -> list[tuple[int, float]]:
+    """A runs.csv curve ("round:value ...") as [(round, value)], in round order."""
+    return [(int(x.split(":")[0]), float(x.split(":")[1])) for x in (text or "").split()]
 
 
 def _verdict(claim: dict | None, setting: str, algorithm: str, index: dict, last: int,
@@ -528,12 +556,16 @@ def _verdict(claim: dict | None, setting: str, algorithm: str, index: dict, last
         return "yes" if halves == ["yes", "yes"] else next(h for h in halves if h != "yes")
     own = claim["judge"] == "own"
     base_acc = _values(base, own, last)
-    if claim["measure"] == "rounds_to_target":
+    if claim["measure"] in TO_TARGET:
         got = [v for v in base_acc.values() if v is not None]
         if not got:
             return "-"
         level = claim["target"] * sum(got) / len(got)
-        mine_v, base_v = _rounds_to(mine, own, level), _rounds_to(base, own, level)
+        mib = claim["measure"] == "mib_to_target"
+        if mib and any(p["record"] is not None and p["record"].get("status") != "diverged"
+                       and not p["record"].get("mib_curve") for p in [*mine, *base]):
+            return "-"  # a run recorded before runs.csv had bytes per round: nothing to judge on yet
+        mine_v, base_v = _rounds_to(mine, own, level, mib), _rounds_to(base, own, level, mib)
     else:
         mine_v, base_v = _values(mine, own, last), base_acc
     mine_v = {s: v for s, v in mine_v.items() if v is not None}
@@ -553,8 +585,9 @@ def _verdict(claim: dict | None, setting: str, algorithm: str, index: dict, last
 def _measure(claim: dict) -> str:
     """How a claim is read, beyond accuracy: its speed measure and its second baseline."""
     text = ""
-    if claim["measure"] == "rounds_to_target":
-        text += (f"; rounds to {100 * claim['target']:g} % of {claim['baseline']}'s accuracy, "
+    if claim["measure"] in TO_TARGET:
+        unit = "rounds" if claim["measure"] == "rounds_to_target" else "MiB sent"
+        text += (f"; {unit} to {100 * claim['target']:g} % of {claim['baseline']}'s accuracy, "
                  f"{'fewer' if claim['direction'] == 'below' else 'more'} claimed")
     if claim["also_against"]:
         text += f"; also against {claim['also_against']}"
