@@ -31,3 +31,15 @@ def ray_local():
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_tmp():
+    """A RAY_TMPDIR of this test's own (short: Ray's socket paths are limited); with
+    `own_ray.under(ray_tmp)` the test finds the Ray processes its commands started."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -127,34 +127,24 @@ def test_checks_that_need_no_data_answer_before_ray_starts(tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
 
-def test_a_bad_config_found_while_ray_starts_leaves_no_ray_behind(tmp_path):
+def test_a_bad_config_found_while_ray_starts_leaves_no_ray_behind(tmp_path, ray_tmp):
     """The command checks its config in a forked child while it starts Ray (launch.CheckApart):
     a config the check refuses, whether Ray is up by then or not, is the one line, exit 2,
     and every process of the Ray it was starting is gone."""
     import os
-    import tempfile
 
+    import own_ray
     import psutil
 
-    ray_tmp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths are limited
-    try:
-        env = dict(os.environ, RAY_TMPDIR=ray_tmp)
-        for args, message in ((["algorithm=fedprox", "fedprox.mu=-1"], "fedprox.mu must be >= 0"),
-                              (["rounds=1", "fedprox.mu=1"], "fedprox.* is set but algorithm=fedavg does not read")):
-            r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={tmp_path / 'runs'}"],
-                               capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
-            assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
-        left = []
-        for p in psutil.process_iter(["cmdline"]):
-            if any(ray_tmp in part for part in p.info["cmdline"] or ()):
-                left.append(p)
-        _, alive = psutil.wait_procs(left, timeout=10)  # killed ones may take a moment to be reaped
-        assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
-        assert not (tmp_path / "runs").exists()
-    finally:
-        import shutil
-
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp)
+    for args, message in ((["algorithm=fedprox", "fedprox.mu=-1"], "fedprox.mu must be >= 0"),
+                          (["rounds=1", "fedprox.mu=1"], "fedprox.* is set but algorithm=fedavg does not read")):
+        r = subprocess.run([sys.executable, "-m", "raysim.run", *args, f"output_dir={tmp_path / 'runs'}"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    _, alive = psutil.wait_procs(own_ray.under(ray_tmp), timeout=10)  # killed ones may take a moment to be reaped
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_address_where_nothing_listens_fails_at_once(tmp_path):

@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import own_ray
 import psutil
+from own_ray import command_line
 
 from raysim.run import main
 
@@ -76,20 +78,6 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _cmd(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def _own_ray_processes(name: str) -> list:
-    """This test session's Ray processes whose title starts with `name`: the descendants of
-    this process (the `ray_local` fixture's raylet is its child, the actors the raylet's), so
-    that another Ray on the machine (a user's run, another job) is never picked."""
-    return [q for q in psutil.Process().children(recursive=True) if _cmd(q).startswith(name)]
-
-
 def _wait_for_checkpoint(p, run: Path) -> None:
     deadline = time.time() + 150
     while not (run / "checkpoint.pt").exists() and p.poll() is None and time.time() < deadline:
@@ -124,9 +112,9 @@ def test_local_run_is_loopback_only_unshadowed_and_survives_its_killed_command(r
             except psutil.Error:
                 pass
         assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
-        assert sum("ray::ClientActor" in _cmd(q) for q in procs) == 4  # 4 actors on 2 CPUs: 0.5 CPU each
-        assert not any(_cmd(q).startswith("ray::ServerActor") for q in procs)  # the server is the command's
-        daemons = " ".join(_cmd(q) for q in procs)  # the Dashboard off: no autoscaler or log monitor
+        assert sum("ray::ClientActor" in command_line(q) for q in procs) == 4  # 4 actors on 2 CPUs: 0.5 CPU each
+        assert not any(command_line(q).startswith("ray::ServerActor") for q in procs)  # the server is the command's
+        daemons = " ".join(command_line(q) for q in procs)  # the Dashboard off: no autoscaler or log monitor
         assert "raylet" in daemons and "log_monitor.py" not in daemons and "_private/monitor.py" not in daemons
         p.send_signal(signal.SIGKILL)
         p.communicate(timeout=60)
@@ -155,8 +143,8 @@ def test_a_dead_server_actor_is_one_line_that_says_how_to_resume(ray_local, tmp_
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_checkpoint(p, run)
-        server = _own_ray_processes("ray::ServerActor")
-        assert len(server) == 1, [_cmd(q) for q in server]
+        server = own_ray.descendants("ray::ServerActor")
+        assert len(server) == 1, [command_line(q) for q in server]
         server[0].send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:

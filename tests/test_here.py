@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import own_ray
 import pytest
 import torch
 
@@ -27,25 +28,6 @@ def _run(tmp_path, *args, env=None):
     return r
 
 
-def _own_ray(ray_tmp: str) -> set:
-    """The Ray processes of the commands given `RAY_TMPDIR=ray_tmp` (their command lines name
-    it), and no other Ray on the machine (another test session's, a user's run)."""
-    import psutil
-
-    return {p.pid for p in psutil.process_iter(["cmdline"]) if any(ray_tmp in a for a in p.info["cmdline"] or ())}
-
-
-@pytest.fixture
-def ray_tmp():
-    """A RAY_TMPDIR of this test's own (short: Ray's socket paths are limited)."""
-    import shutil
-    import tempfile
-
-    folder = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.mark.slow
 def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(tmp_path, ray_tmp):
     env = dict(os.environ, RAY_TMPDIR=ray_tmp)
@@ -55,7 +37,7 @@ def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(t
     assert "no Ray: the clients' training would take this process" in log
     summary = json.loads((tmp_path / "here" / "summary.json").read_text())
     assert summary["client_actor_nodes"] == {"this process": 1}
-    assert not _own_ray(ray_tmp) and not os.listdir(ray_tmp)  # no Ray was started (nor left behind)
+    assert not own_ray.under(ray_tmp) and not os.listdir(ray_tmp)  # no Ray was started (nor left behind)
     # the same run on two client actors (resources.num_actors asks for them)
     _run(tmp_path, "rounds=4", "resources.num_actors=2", "run_name=actors")
     assert "no Ray" not in (tmp_path / "actors" / "log.txt").read_text()
@@ -72,7 +54,7 @@ def test_a_small_command_trains_here_without_ray_and_its_models_are_the_actors(t
     assert all(torch.equal(a["global"][k], c["global"][k]) for k in a["global"])
     assert "no Ray" not in (tmp_path / "later" / "log.txt").read_text()
     assert os.listdir(ray_tmp)  # it did start a Ray, under RAY_TMPDIR
-    assert not _own_ray(ray_tmp)  # and stopped it
+    assert not own_ray.under(ray_tmp)  # and stopped it
 
 
 @pytest.mark.slow
