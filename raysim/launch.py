@@ -323,9 +323,7 @@ def interrupted_where(run_dir: Optional[str]) -> str:
     run stopped before its first checkpoint cannot be: it says so)."""
     if not run_dir:
         return "interrupted before the first round: nothing was written"
-    from raysim.checkpoint import FILE
-
-    if not os.path.isfile(os.path.join(run_dir, FILE)):
+    if not os.path.isfile(os.path.join(run_dir, "checkpoint.pt")):  # checkpoint.FILE (that module imports torch)
         return (f"interrupted before the run's first checkpoint: {run_dir} holds no round to resume from "
                 "(checkpoint_every); remove it and run again")
     return (f"interrupted: the rounds that ran are in {run_dir}; `python -m raysim.run resume={run_dir}` continues "
