@@ -14,11 +14,13 @@ A sweep file's `tune:` section:
       grid: {local.lr: [0.01, 0.03, 0.1]}                  # every algorithm
       by_algorithm:                                        # label (or name) -> its key hyper-parameter(s)
         fedprox: {fedprox.mu: [0.001, 0.01, 0.1]}          # source in a comment beside it
+      otherwise: {local.epochs: [2, 5, 10]}                # the axes of an algorithm by_algorithm does not
+                                                           # name, so every method gets as many points
       extend: 1                 # where a choice sits at a numeric axis's edge, one more point past it
                                 # (the axis's last ratio), up to this many times per cell
 
 For each (setting, algorithm) of the grid, the tuning points are the product of `grid` and
-the algorithm's `by_algorithm` entry, run at `seed` with `eval.validation`, so that neither
+the algorithm's `by_algorithm` entry (or `otherwise`, where it has none), run at `seed` with `eval.validation`, so that neither
 the global test set nor the clients' own test splits take part in the choice
 (raysim/data/validation.py). The chosen point (the best score; a diverged or unfinished
 tuning run never wins; ties go to the first in the grid's order) is appended to every one of
@@ -51,10 +53,16 @@ class Tuning:
     grid: dict = field(default_factory=dict)  # key -> [values]
     by_algorithm: dict = field(default_factory=dict)  # algorithm label -> {key: [values]}
     extend: int = 0  # steps a numeric axis may grow past its edge where the choice sits there (issue 84)
+    otherwise: dict = field(default_factory=dict)  # the axes of an algorithm by_algorithm does not name (issue 84)
+
+    def axes(self, algorithm: str) -> dict:
+        """key -> [values] tuned for one algorithm: `grid` and its own `by_algorithm` entry,
+        else `otherwise` (FedAvg's second axis: every method tuned on as many points)."""
+        return {**self.grid, **self.by_algorithm.get(algorithm, self.otherwise)}
 
     def combos(self, algorithm: str) -> list[list[str]]:
         """The tuning points of one algorithm: lists of overrides, in the grid's order."""
-        axes = {**self.grid, **self.by_algorithm.get(algorithm, {})}
+        axes = self.axes(algorithm)
         if not axes:
             return [[]]
         return [[f"{k}={json.dumps(v)}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
@@ -65,7 +73,7 @@ class Tuning:
         value times the ratio of its last two values (or divided, past the first), the other
         axes at the choice; `added`: points already added this way, which widen the axis. An
         axis with a value that is not a positive number (perfedavg.beta's null) never grows."""
-        axes = {**self.grid, **self.by_algorithm.get(algorithm, {})}
+        axes = self.axes(algorithm)
         at = {o.split("=", 1)[0]: json.loads(o.split("=", 1)[1]) for o in chosen}
         out = []
         for key, declared in axes.items():
@@ -80,7 +88,12 @@ class Tuning:
                 new = values[0] * values[0] / values[1]
             else:
                 continue
-            new = float(f"{new:.6g}")  # 0.1 * 0.1 / 0.03 = 0.33333333333333337 -> 0.333333
+            if all(isinstance(v, int) for v in declared):  # a count (local.epochs): a whole one, >= 1
+                new = max(1, round(new))
+                if new in values:
+                    continue
+            else:
+                new = float(f"{new:.6g}")  # 0.1 * 0.1 / 0.03 = 0.33333333333333337 -> 0.333333
             out.append([f"{k}={json.dumps(new if k == key else at[k])}" for k in axes])
         return out
 
@@ -95,19 +108,19 @@ def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[st
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: tune must be a mapping (seed, validation, last, judge, grid, by_algorithm)")
-    allowed = {"seed", "validation", "last", "judge", "judge_by_setting", "grid", "by_algorithm", "extend"}
+    allowed = {"seed", "validation", "last", "judge", "judge_by_setting", "grid", "by_algorithm", "otherwise", "extend"}
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(f"{where}: tune has unknown key(s) {', '.join(sorted(unknown))}; allowed: "
                           f"{', '.join(sorted(allowed))}")
-    for key in ("judge_by_setting", "grid", "by_algorithm"):
+    for key in ("judge_by_setting", "grid", "by_algorithm", "otherwise"):
         if not isinstance(raw.get(key) or {}, dict):
             raise ConfigError(f"{where}: tune.{key} must be a mapping, got {raw[key]!r}")
     t = Tuning(seed=str(raw.get("seed", 0)), validation=_number(raw, "validation", 0.2, float, where),
                last=_number(raw, "last", 3, int, where), judge=str(raw.get("judge", "own")),
                judge_by_setting=dict(raw.get("judge_by_setting") or {}),
                grid=dict(raw.get("grid") or {}), by_algorithm=dict(raw.get("by_algorithm") or {}),
-               extend=raw.get("extend", 0))
+               otherwise=dict(raw.get("otherwise") or {}), extend=raw.get("extend", 0))
     if isinstance(t.extend, bool) or not isinstance(t.extend, int) or not 0 <= t.extend <= 3:
         raise ConfigError(f"{where}: tune.extend must be a whole number in 0..3 (steps past a grid's edge), "
                           f"got {t.extend!r}")
@@ -125,7 +138,8 @@ def read_tuning(spec: dict, where: str, settings: list[str], algorithms: list[st
     for a in t.by_algorithm:
         if a not in algorithms:
             raise ConfigError(f"{where}: tune.by_algorithm names {a!r}, not an algorithm of the grid")
-    for name, axes in [("grid", t.grid), *((f"by_algorithm.{a}", v) for a, v in t.by_algorithm.items())]:
+    for name, axes in [("grid", t.grid), ("otherwise", t.otherwise),
+                       *((f"by_algorithm.{a}", v) for a, v in t.by_algorithm.items())]:
         if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
             raise ConfigError(f"{where}: tune.{name} must be a mapping {{key: [values]}}")
         if len(list(itertools.product(*axes.values()))) > 9:

@@ -655,6 +655,10 @@ def test_a_speed_claim_is_read_in_rounds_to_a_target_and_a_two_sided_claim_on_bo
     # a second baseline beside the first: FedRep per client above FedAvg and above FedPer
     assert verdict("fedrep: {baseline: fedavg, judge: own, also_against: fedper, claim: x}", "fedrep") == \
         "[yes](#claim-fedrep); vs fedper: yes"
+    # a cost claim's second baseline (Local, which sends nothing) is read on accuracy, above
+    assert verdict("fedrep: {baseline: fedavg, judge: own, measure: rounds_to_target, target: 0.9, direction: below, "
+                   "also_against: fedper, claim: x}", "fedrep").endswith("; vs fedper: yes")
+    assert "also against fedper (on accuracy)" in (tmp_path / "results.md").read_text()
     for bad, says in (("{baseline: fedavg, judge: own, claim: x, target: 0.9}", "target (a fraction in (0, 1]"),
                       ("{baseline: fedavg, judge: own, claim: x, measure: rounds_to_target, target: 2}", "got 2"),
                       ("{baseline: fedavg, judge: own, claim: x, measure: speed}", "measure must be one of accuracy"),

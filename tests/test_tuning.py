@@ -258,6 +258,39 @@ def test_a_choice_at_a_grids_edge_gets_one_more_point_past_it():
     assert t.beyond("perfedavg", ["local.lr=0.03", "perfedavg.beta=null"], []) == []
 
 
+def test_a_method_without_a_key_of_its_own_tunes_the_otherwise_axes_and_a_count_grows_whole():
+    """Issue 84: FedAvg and 19 others got 3 points (lr only) against the others' 9. `otherwise`
+    gives a method with no by_algorithm entry a second axis (FedAvg's local epochs); past an
+    edge a whole-number axis grows by a whole number (10 * 10 / 5 = 20; 2 * 2 / 5 = 0.8 -> 1)."""
+    from raysim.tuning import Tuning
+
+    t = Tuning(grid={"local.lr": [0.01, 0.1]}, otherwise={"local.epochs": [2, 5, 10]},
+               by_algorithm={"fedprox": {"fedprox.mu": [0.001, 0.01, 0.1]}})
+    assert t.combos("fedavg") == [[f"local.lr={lr}", f"local.epochs={e}"] for lr in (0.01, 0.1) for e in (2, 5, 10)]
+    assert t.combos("fedprox")[0] == ["local.lr=0.01", "fedprox.mu=0.001"] and len(t.combos("fedprox")) == 6
+    assert t.beyond("fedavg", ["local.lr=0.01", "local.epochs=10"], []) == [
+        ["local.lr=0.001", "local.epochs=10"], ["local.lr=0.01", "local.epochs=20"]]
+    assert t.beyond("fedavg", ["local.lr=0.01", "local.epochs=2"], [])[1] == ["local.lr=0.01", "local.epochs=1"]
+    # at 1 the next step down rounds to 1 again: nothing more to add
+    assert t.beyond("fedavg", ["local.lr=0.05", "local.epochs=1"], [["local.lr=0.05", "local.epochs=1"]]) == []
+
+
+def test_the_results_table_tunes_every_method_on_as_many_points():
+    """Issue 84's "done when": every method of configs/sweeps/results_table.yaml tuned on as many
+    points as any other (9), but the one row fixed at one lr on purpose (fedavg_lr001); and a
+    choice at an edge gets a point past it."""
+    from raysim.sweep import _label, parse, read_tune
+
+    file = Path(__file__).resolve().parents[1] / "configs" / "sweeps" / "results_table.yaml"
+    grid = parse([], file)[3]
+    tuning = read_tune(file, grid)
+    algorithms = [_label(v) or v for v in grid["algorithm"]]
+    assert "fedavg" in algorithms and "fedentopt" in algorithms
+    counts = {a: len(tuning.combos(a)) for a in algorithms}
+    assert {a: n for a, n in counts.items() if n != 9} == {"fedavg_lr001": 1}, counts
+    assert tuning.extend >= 1
+
+
 def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local, tmp_path):
     from raysim.sweep import main as sweep
 

@@ -362,6 +362,8 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         if not c or not c["also_against"] or verdicts[(setting, algorithm)] in ("-", "n/c"):
             return ""
         c = {**c, "judge": "own" if c["judge"] == "both" else c["judge"]}  # a second baseline: the clients' side
+        if c["measure"] in TO_TARGET:  # a cost claim against FedAvg; against Local (which sends nothing): accuracy
+            c = {**c, "measure": "accuracy", "target": None, "direction": "above"}
         return f"; vs {c['also_against']}: {_verdict(c, setting, algorithm, index, last, c['also_against'])}"
     records = []
     for setting in plan["settings"]:
@@ -590,7 +592,7 @@ def _measure(claim: dict) -> str:
         text += (f"; {unit} to {100 * claim['target']:g} % of {claim['baseline']}'s accuracy, "
                  f"{'fewer' if claim['direction'] == 'below' else 'more'} claimed")
     if claim["also_against"]:
-        text += f"; also against {claim['also_against']}"
+        text += f"; also against {claim['also_against']}" + (" (on accuracy)" if claim["measure"] in TO_TARGET else "")
     return text
 
 
