@@ -152,7 +152,7 @@ class Algorithm:
     """True: its clients train with `training.local_sgd` (no gradient or weight hooks) on a
     loss that is the mean of per-sample losses computed through the model's modules, and
     upload nothing else about their data: `privacy.mode=local` (DP-SGD through Opacus,
-    raysim/privacy/local.py) applies. A penalty on the weights (FedProx), a loss that reads
+    raysim/dp_sgd.py) applies. A penalty on the weights (FedProx), a loss that reads
     a layer's weights directly (FedRS) or extra uploads (CCVR's statistics) would escape
     Opacus' per-sample clipping."""
     server_parts: ClassVar[tuple] = ()

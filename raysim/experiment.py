@@ -74,7 +74,7 @@ def prepare(cfg: DictConfig) -> tuple[FederatedData, Partition, int]:
                               "BatchNorm statistics), which would be averaged without clipping or noise; use a model "
                               "without BatchNorm (model_options.norm=group where the model has it)")
         if cfg.privacy.mode == "local":  # what Opacus cannot train with per-sample gradients
-            from raysim.privacy.local import model_problems
+            from raysim.dp_sgd import model_problems
 
             problems = model_problems(algorithm.build_model(data.input_shape))
             if problems:

@@ -1,6 +1,6 @@
 """Seeds derived from integer keys: every random draw in raysim is seeded from (seed, round,
 client, stream), so a run is the same whatever runs where. Its own module so that modules
-`training` imports (privacy/local.py) can use it too."""
+`training` imports (dp_sgd.py) can use it too."""
 from __future__ import annotations
 
 import numpy as np

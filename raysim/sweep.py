@@ -356,7 +356,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
         overrides = [*fixed, *(o for k, v in values.items() for o in _overrides(k, v)), *cell_overrides(values, per_cell),
                      *(extra(values) if extra else []), f"output_dir={sweep_dir}", f"run_name={name}"]
         if not any(o.split("=", 1)[0] == "log.group" for o in fixed) and "log.group" not in grid:
-            overrides.append(f"log.group={sweep_dir.name}")  # trackers group the sweep's runs (results/trackers.py)
+            overrides.append(f"log.group={sweep_dir.name}")  # trackers group the sweep's runs (runtime/trackers.py)
         # a summary means the run ended (finished, or diverged: a result too, not retried)
         state = "done" if (run_dir / "summary.json").is_file() else "partial" if run_dir.exists() else "new"
         try:  # every check that needs no data (the run directory's own state is this sweep's business)

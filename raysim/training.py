@@ -147,7 +147,7 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     generator, so the result depends only on (seed, round, client id). `on_gradients`
     runs between backward and the step (SCAFFOLD corrects the gradients there),
     `after_step` after each step (NIID-Bench's SCAFFOLD corrects the weights there).
-    `privacy.mode=local`: DP-SGD instead (privacy/local.py; the config admits only
+    `privacy.mode=local`: DP-SGD instead (dp_sgd.py; the config admits only
     algorithms whose loss is a per-sample mean and that pass neither hook). `lr` replaces
     the round's lr (FedBABU's fine-tuning), `batch_size` `local.batch_size` (Per-FedAvg
     splits each batch into its inner and outer ones), `momentum` and `weight_decay` the
@@ -158,8 +158,8 @@ def local_sgd(client: Client, model: torch.nn.Module, loss_fn: LossFn = cross_en
     epochs = client.epochs if epochs is None else epochs
     steps = int(loc.steps) if steps is None else steps
     lr = round_lr(loc, client.round) if lr is None else lr
-    if client.cfg.privacy.mode == "local":  # DP-SGD through Opacus (raysim/privacy/local.py)
-        from raysim.privacy.local import private_sgd
+    if client.cfg.privacy.mode == "local":  # DP-SGD through Opacus (raysim/dp_sgd.py)
+        from raysim.dp_sgd import private_sgd
 
         return private_sgd(client, model, loss_fn, epochs, steps, lr)
     opt = SGD(model.parameters(), lr=lr, momentum=float(loc.momentum if momentum is None else momentum),

@@ -113,7 +113,7 @@ def test_a_tracker_that_cannot_open_is_one_line_and_leaves_no_run_directory(ray_
 
 def test_a_tracker_that_fails_mid_run_is_dropped_with_a_line_in_the_log(tmp_path):
     pytest.importorskip("tensorboard")
-    from raysim.results.writer import RunWriter
+    from raysim.runtime.writer import RunWriter
 
     cfg = {"log": {"tensorboard": True}, "output_dir": str(tmp_path)}
     w = RunWriter(tmp_path / "run", "rounds: 2\n", trackers=cfg)

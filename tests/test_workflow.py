@@ -189,7 +189,7 @@ def test_an_mlflow_file_store_holds_every_round(tmp_path):
     in for a user who names one) gets the config, each round and the summary."""
     import mlflow
 
-    from raysim.results.trackers import Trackers
+    from raysim.runtime.trackers import Trackers
 
     uri = (tmp_path / "mlruns").as_uri()
     cfg = {"output_dir": str(tmp_path), "model": "mclr",
@@ -341,12 +341,12 @@ def test_a_table_row_shows_only_the_sections_its_run_reads(four_runs, capsys):
 
 
 def test_a_table_of_rows_with_other_keys_has_every_key_in_first_seen_order_and_nulls_where_absent():
-    """The run directory's tables (results/writer.py `_table`, built by column): rows that differ in
+    """The run directory's tables (runtime/writer.py `_table`, built by column): rows that differ in
     keys (a round with a joiner's row, a compressed update's bytes) give one column per key, in the
     order the keys are first met, None where a row lacks one; rows that all share theirs likewise."""
     import pyarrow as pa
 
-    from raysim.results.writer import _table
+    from raysim.runtime.writer import _table
 
     rows = [{"cid": 1, "status": "ok", "loss": 0.5}, {"cid": 2, "status": "dropped", "reason": "dropout"},
             {"cid": 3, "status": "ok", "loss": 0.25}, {"bytes_up": 10, "cid": 4}]

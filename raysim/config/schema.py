@@ -75,7 +75,7 @@ class PersonalConfig:
 
 @dataclass
 class LogConfig:
-    """Trackers beside the run directory (raysim/results/trackers.py): the config, each round's metrics, the summary."""
+    """Trackers beside the run directory (raysim/runtime/trackers.py): the config, each round's metrics, the summary."""
 
     tensorboard: bool = False  # <run dir>/tensorboard (the `tensorboard` extra)
     wandb: bool = False  # Weights & Biases (the `wandb` extra)

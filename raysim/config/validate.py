@@ -462,7 +462,7 @@ def check_privacy(cfg: DictConfig, need) -> None:
 
 
 def _missing_tracker(cfg) -> Optional[str]:
-    """The first tracker `log.*` asks for whose package is missing (raysim/results/trackers.py
+    """The first tracker `log.*` asks for whose package is missing (raysim/runtime/trackers.py
     uses them), as the message to say."""
     import importlib.util
 

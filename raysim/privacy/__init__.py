@@ -5,8 +5,9 @@
   Andrew et al. 2021), Gaussian noise on their sum, the sum divided by the fixed cohort
   size, then the server's optimiser (post-processing); for algorithms with "privacy" in
   `Algorithm.server_parts`;
-- `local.private_sgd`: DP-SGD in each client's training through Opacus (sample-level DP;
-  Abadi et al. 2016), for algorithms with `Algorithm.trains_privately`;
+- `raysim/dp_sgd.py`'s `private_sgd` (`privacy.mode=local`): DP-SGD in each client's training
+  through Opacus (sample-level DP; Abadi et al. 2016), for algorithms with
+  `Algorithm.trains_privately`; it lives beside `training`, which hands a client to it;
 - `secagg.SecureAggregation`: secure aggregation simulated: the server reads only the
   round's sum, and the protocol's bytes and dropout failures are recorded;
 - `accountant`: the (epsilon, delta) a run spends, from Google's dp-accounting (RDP), for

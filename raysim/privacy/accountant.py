@@ -137,7 +137,7 @@ class LocalAccountant:
     def __init__(self, cfg, sizes, resumed: bool = False):
         import numpy as np
 
-        from raysim.privacy.local import steps_per_round
+        from raysim.dp_sgd import steps_per_round
 
         pv, loc = cfg.privacy, cfg.local
         self.sizes = np.asarray(sizes, dtype=np.int64)
@@ -195,7 +195,7 @@ class LocalAccountant:
     def after_round(self, rnd: int, rows: list[dict]) -> float:
         """Count the steps of the round's clients that trained and returned (`rows`: the
         round's clients table), and return the largest epsilon spent so far."""
-        from raysim.privacy.local import steps_per_round
+        from raysim.dp_sgd import steps_per_round
 
         for r in rows:
             if r["method"] == "client_update" and r["status"] == "ok":

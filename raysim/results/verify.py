@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,7 +36,9 @@ def verify(doc: Path, n: int, draw: int = 0, say=print) -> list[dict]:
     row: {row, same_machine, same_commit, ok (True / False / None: not judged, another
     processor), what}."""
     from raysim.provenance import code_version
-    from raysim.run import main as run
+
+    def run(args: list[str]) -> int:  # the row's command itself, in its own process (this floor imports no CLI)
+        return subprocess.run([sys.executable, "-m", "raysim.run", *args]).returncode
 
     if n < 1:
         raise ConfigError(f"--verify {n}: the number of rows to re-run must be 1 or more")

@@ -1,6 +1,6 @@
 """The run record: what a run leaves behind, kept as it goes.
 
-It owns the run directory's writer (results/writer.py: config.yaml, log.txt, the metrics
+It owns the run directory's writer (runtime/writer.py: config.yaml, log.txt, the metrics
 and clients tables, model.pt, summary.json), the rows of the clients table for the round
 in progress (one per call to a client, join, dropout or per-client evaluation), the run's
 counters, Ray's metrics (observe.py) and the checkpoints (checkpoint.py).
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 from raysim.contract import ClientResult
 from raysim.config import to_yaml
 from raysim.config.sections import foreign_sections
-from raysim.results.writer import RunWriter, summarize
+from raysim.runtime.writer import RunWriter, summarize
 from raysim import checkpoint
 from raysim.runtime import observe
 

@@ -76,9 +76,9 @@ class RunWriter:
                 kept = pq.read_table(self.dir / "clients.parquet")
                 self.client_tables = [kept.filter(pc.field("round") <= resume_round)]
             self.log(f"resumed after round {resume_round}")
-        self.trackers = None  # `trackers`: the run's config, whose log.* turn trackers on (results/trackers.py)
+        self.trackers = None  # `trackers`: the run's config, whose log.* turn trackers on (runtime/trackers.py)
         if trackers is not None and any(trackers["log"].get(k) for k in ("tensorboard", "wandb", "mlflow")):
-            from raysim.results.trackers import Trackers
+            from raysim.runtime.trackers import Trackers
 
             try:
                 self.trackers = Trackers(self.dir, trackers, resumed=resume_round is not None)
