@@ -512,10 +512,12 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     if not todo:
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points)} done, 0 to run")
         return sweep_dir
+    cell_of = lambda v: (v.get("setting", ""), v["algorithm"])  # noqa: E731
+    if tuning is not None:  # the tuning points' configs checked too before the folder is made
+        plan_tuning(files, fixed, grid, sweep_dir, tuning, {cell_of(p["values"]) for p in todo}, skip, per_cell)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(sweep_dir):
         if tuning is not None:
-            cell_of = lambda v: (v.get("setting", ""), v["algorithm"])  # noqa: E731
             cells = {cell_of(p["values"]) for p in todo}
             finished = {cell_of(p["values"]) for p in points} - cells
             chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished, per_cell)

@@ -74,6 +74,7 @@ def refused_sweep(tmp_path, *args, **sections) -> str:
     ({"last": 2.5}, "tune.last must be a whole number, got 2.5"),
     ({"judge_by_setting": ["own"]}, "tune.judge_by_setting must be a mapping, got ['own']"),
     ({"grid": ["local.lr"]}, "tune.grid must be a mapping"),
+    ({"otherwise": ["local.epochs"]}, "tune.otherwise must be a mapping"),
 ])
 def test_a_tune_section_of_the_wrong_type_is_one_line(tmp_path, tune, says):
     """validation: abc was a ValueError traceback (the casts ran outside any check)."""

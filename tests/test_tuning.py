@@ -121,6 +121,8 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
     ({"by_algorithm": {"fedfoo": {"x.y": [1]}}}, "tune.by_algorithm names 'fedfoo', not an algorithm of the grid"),
     ({"seed": 7}, "tune.seed=7 is not a value of grid.seed"),
     ({"lr": [1]}, "tune has unknown key(s) lr"),
+    # a tuning point's unknown key: refused before the sweep's folder is made (it was left behind, empty)
+    ({"otherwise": {"local.epoch": [1, 2]}}, "unknown config key 'local.epoch'"),
 ])
 def test_a_bad_tune_section_is_refused_in_one_line(tmp_path, capfd, tune, says):
     from raysim.sweep import main as sweep
