@@ -112,7 +112,9 @@ def section(published: dict, runs: Callable[[str, str], list], seeds: int,
         if kept and len(got) < seeds:
             text += f" ({len(got)}/{seeds})"
         if gone:
-            text += f"; {gone} diverged" + (f", counted at {diverged_at:g}" if diverged_at is not None else "")
+            text += f"; {gone} diverged"
+            if diverged_at is not None:  # the best reading keeps the run's best before it diverged (`counted`)
+                text += f", counted at {'' if reading == 'final' else 'its best before, at least '}{diverged_at:g}"
         return text
 
     verdicts, unexplained = [], []
