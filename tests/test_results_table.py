@@ -139,6 +139,31 @@ def test_a_cell_with_a_diverged_run_says_so(tmp_path):
     assert "| fedper | - | 90.0 ± 0.0 † | 90.0 ± 0.0 | 95.0 ± 0.0 | 95.0 ± 0.0 |" in text  # per client: its own models'
 
 
+def test_a_setting_that_runs_fewer_seeds_counts_its_cells_by_its_own_seeds(tmp_path):
+    """Seeds 0-2 for digits, 0-1 for syn (the sweep file's `only`, issue 84: the cheap settings
+    run more seeds): syn's cell with both its seeds is whole; digits' with two of three says so."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP.replace("seed: [0]", "seed: [0, 1, 2]")
+                 + "only:\n  - {seed: 2, setting: [digits]}\n")
+    (tmp_path / "results").mkdir()
+    rows = [{"setting": s, "algorithm": "fedavg", "seed": str(seed), "final_accuracy": str(acc),
+             "final_local_accuracy": str(acc), "status": "finished", "model_sha256": "ab" * 32}
+            for s, seed, acc in (("digits", 0, 0.5), ("digits", 1, 0.7), ("syn", 0, 0.6), ("syn", 1, 0.8))]
+    with (tmp_path / "results" / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    assert write_doc(f, tmp_path / "results.md", tmp_path / "runs") == {"runs": 8, "done": 4}  # digits: fedavg and fedper x 3, syn: fedavg x 2
+    text = (tmp_path / "results.md").read_text()
+    digits, syn = text.split("## syn")[0], text.split("## syn")[1]
+    assert "| fedavg | - | 60.0 ± 14.1 (2/3) |" in digits
+    assert "| fedavg | - | 70.0 ± 14.1 |" in syn
+    assert "Seeds per setting (the sweep file's `only`): digits 0, 1, 2; syn 0, 1." in text
+    assert "on syn: fedper." in text  # not run: the cell the sweep file skips, not syn's fedavg on seed 2
+
+
 def test_skip_listed_that_names_no_grid_axis_or_no_file_is_one_line(tmp_path):
     f = tmp_path / "table.yaml"
     f.write_text(SWEEP)

@@ -284,7 +284,6 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         where = made_on.setdefault(p["record"].get("client_processors") or "not recorded", [0, 0.0])
         where[0] += 1
         where[1] += p["record"].get("wall_seconds") or 0.0
-    seeds = len(plan["seeds"])
     commits: dict[str, int] = {}
     for p in done:
         c = p["record"].get("raysim_commit") or "not recorded"
@@ -387,6 +386,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
             ok = [p for p in ran if p["record"].get("status") != "diverged"]
             diverged = len(ran) - len(ok)
             gone = f"; {diverged} diverged" if diverged else ""
+            seeds = len(cell)  # the cell's own seeds: a setting may run fewer (the sweep file's `only`)
             glob = _cell([_accuracy(p["record"], False, last) for p in ok], seeds, True)
             glob_best = _cell([_accuracy(p["record"], False, 0) for p in ok], seeds, True)
             own = _cell([_accuracy(p["record"], True, last) for p in ok], seeds, True)
@@ -404,10 +404,17 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
                          f"{note(setting, algorithm)} |")
             records += [p["record"] for p in ran]
         lines.append("")
-    if plan["skipped"]:
-        left = {}
-        for p in plan["skipped"]:
+    ran_seeds = {}  # setting -> the seeds its cells run: a setting may run fewer (the sweep file's `only`)
+    for p in plan["points"]:
+        ran_seeds.setdefault(p["setting"], set()).add(str(p["seed"]))
+    if len({frozenset(s) for s in ran_seeds.values()}) > 1:
+        lines += ["Seeds per setting (the sweep file's `only`): " + "; ".join(
+            f"{s} {', '.join(sorted(seeds, key=lambda x: (len(x), x)))}" for s, seeds in ran_seeds.items()) + ".", ""]
+    left = {}
+    for p in plan["skipped"]:
+        if (p["setting"], p["algorithm"]) not in index:  # a cell cut only on some seeds runs: said above
             left.setdefault(p["setting"], set()).add(p["algorithm"])
+    if left:
         lines += ["Not run (the sweep file's `skip` and `only`: combinations that cannot run, or left out for cost "
                   "as its header says): " + "; ".join(f"on {s}: {', '.join(sorted(a))}" for s, a in left.items()) + ".",
                   ""]
