@@ -101,3 +101,28 @@ def test_the_document_opens_with_its_cells_beside_the_published_numbers(tmp_path
     # final: 61, 60 and the diverged run at 10; best: 62, 61 and max(70 before it diverged, 10)
     assert ("| fedprox | 43.7 ± 29.2; 1 diverged, counted at 10 | 64.3 ± 4.9; 1 diverged, counted at its best before, at least 10 |"
             in (tmp_path / "paper.md").read_text())
+
+
+def test_a_cell_whose_setting_runs_fewer_seeds_is_whole_at_its_own_count(tmp_path):
+    """The sweep file's `only` gives fedprox seeds 0-1 of the grid's 0-2: its two runs are the
+    whole cell (no "(2/3)"), while fedavg with two of its three says so."""
+    from raysim.results.published import RECORD, write_doc
+
+    f = tmp_path / "table.yaml"
+    f.write_text(SWEEP + "only:\n  - {seed: 2, algorithm: [fedavg]}\n")
+    side = tmp_path / "paper"
+    side.mkdir()
+    (side / "published.yaml").write_text(
+        "digits: {source: A table, reading: final, seeds: 3, numbers: {fedavg: [80.0, 1.0], fedprox: [60.0, 1.0]}}\n")
+    rows = [{"setting": "digits", "algorithm": a, "seed": str(i), "final_accuracy": acc, "status": "finished",
+             "model_sha256": "ab" * 32, "accuracy_curve": f"1:{acc}"}
+            for a, accs in (("fedavg", ["0.7900", "0.8100"]), ("fedprox", ["0.6000", "0.6200"]))
+            for i, acc in enumerate(accs)]
+    with (side / "runs.csv").open("w", newline="") as out:
+        w = csv.DictWriter(out, RECORD)
+        w.writeheader()
+        w.writerows(rows)
+    write_doc(f, tmp_path / "paper.md", tmp_path / "runs")
+    text = (tmp_path / "paper.md").read_text()
+    assert "| fedavg | 80.0 ± 1.4 (2/3) | 80.0 ± 1.4 (2/3) |" in text
+    assert "| fedprox | 61.0 ± 1.4 | 61.0 ± 1.4 |" in text

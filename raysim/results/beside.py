@@ -98,19 +98,19 @@ def counted(run: dict, reading: str, diverged_at: float | None) -> float | None:
     return diverged_at if reading == "final" or run["best"] is None else max(run["best"], diverged_at)
 
 
-def section(published: dict, runs: Callable[[str, str], list], seeds: int,
+def section(published: dict, runs: Callable[[str, str], list], seeds: Callable[[str, str], int],
             note: Callable[[str, str], str]) -> list[str]:
     """The document's opening section: per setting, a row per published number.
     `runs(setting, algorithm)`: raysim's finished runs as {final, best (accuracy %, None where
-    the run diverged before any evaluation), diverged}; `seeds`: the seeds the sweep runs a
-    cell; `note(setting, algorithm)`: the cell's note links."""
-    def shown(got: list, reading: str, diverged_at: float | None) -> str:
+    the run diverged before any evaluation), diverged}; `seeds(setting, algorithm)`: the seeds the
+    sweep runs that cell; `note(setting, algorithm)`: the cell's note links."""
+    def shown(got: list, planned: int, reading: str, diverged_at: float | None) -> str:
         values = [counted(r, reading, diverged_at) for r in got]
         kept = [v for v in values if v is not None]
         gone = sum(r["diverged"] for r in got)
         text = "-" if not kept else "{:.1f} ± {:.1f}".format(*mean_std(kept))
-        if kept and len(got) < seeds:
-            text += f" ({len(got)}/{seeds})"
+        if kept and len(got) < planned:
+            text += f" ({len(got)}/{planned})"
         if gone:
             text += f"; {gone} diverged"
             if diverged_at is not None:  # the best reading keeps the run's best before it diverged (`counted`)
@@ -126,7 +126,7 @@ def section(published: dict, runs: Callable[[str, str], list], seeds: int,
                  f"| algorithm | raysim, final round | raysim, best round | published ({reading}) | Welch p | "
                  "within | note |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for algorithm, (pm, ps) in entry["numbers"].items():
-            got = runs(setting, algorithm)
+            got, planned = runs(setting, algorithm), seeds(setting, algorithm)
             values = [v for v in (counted(r, reading, at) for r in got) if v is not None]
             cell = judge(values, (pm, ps), entry["seeds"])
             verdicts.append(cell["within"])
@@ -134,7 +134,7 @@ def section(published: dict, runs: Callable[[str, str], list], seeds: int,
                 unexplained.append(f"{setting}/{algorithm}")
             within = "-" if cell["within"] is None else "yes" if cell["within"] else "**no**"
             p = "-" if cell["p"] is None else f"{cell['p']:.3f}"
-            body.append(f"| {algorithm} | {shown(got, 'final', at)} | {shown(got, 'best', at)} | {pm:.2f} ± {ps:.2f} | "
+            body.append(f"| {algorithm} | {shown(got, planned, 'final', at)} | {shown(got, planned, 'best', at)} | {pm:.2f} ± {ps:.2f} | "
                         f"{p} | {within} | {note(setting, algorithm)} |")
         body.append("")
     judged = [v for v in verdicts if v is not None]

@@ -342,7 +342,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
                 out.append({"diverged": diverged, "best": None if best is None else 100 * best,
                             "final": None if diverged else 100 * _accuracy(p["record"], False, 1)})
             return out
-        lines += beside_section(published, runs, len(plan["seeds"]), note)
+        lines += beside_section(published, runs, lambda s, a: len(index.get((s, a), [])), note)
     verdicts = {key: _verdict(claims.get(key[1]), key[0], key[1], index, last) for key in index}
     counted = {v: sum(x.startswith(v) for x in verdicts.values()) for v in ("yes", "no", "undecided", "n/c")}
     lines += [] if not claims else [f"**The papers' claims** (each method's headline comparison, [below](#the-papers-claims)): in "
@@ -406,10 +406,10 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
         lines.append("")
     ran_seeds = {}  # setting -> the seeds its cells run: a setting may run fewer (the sweep file's `only`)
     for p in plan["points"]:
-        ran_seeds.setdefault(p["setting"], set()).add(str(p["seed"]))
+        ran_seeds.setdefault(p["setting"], set()).add(p["seed"])
     if len({frozenset(s) for s in ran_seeds.values()}) > 1:
         lines += ["Seeds per setting (the sweep file's `only`): " + "; ".join(
-            f"{s} {', '.join(sorted(seeds, key=lambda x: (len(x), x)))}" for s, seeds in ran_seeds.items()) + ".", ""]
+            f"{s} {', '.join(str(x) for x in plan['seeds'] if x in ran)}" for s, ran in ran_seeds.items()) + ".", ""]
     left = {}
     for p in plan["skipped"]:
         if (p["setting"], p["algorithm"]) not in index:  # a cell cut only on some seeds runs: said above
