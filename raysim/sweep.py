@@ -1,4 +1,4 @@
-"""`python -m raysim.sweep`: one experiment over a grid of config values, on Ray Tune.
+"""`python -m raysim.sweep`: one experiment over a grid of config values.
 
     python -m raysim.sweep seed=0,1,2 algorithm=fedavg,fedprox rounds=20 --name fedprox-check
     python -m raysim.sweep --file configs/sweeps/fed2_ablation_digits.yaml
@@ -24,9 +24,11 @@ model=vgg9` runs the VGG; a sweep file's `fixed` yields to the variant).
 Every point is a normal run directory inside the sweep directory (named by its grid
 values), written by the same code as `python -m raysim.run`; `python -m raysim.results.table` and
 `python -m raysim.results.plot` read them. Every point's config is checked before the first one
-starts. The points run as Ray Tune trials, on the local Ray or the cluster of
-`ray.address`: several at once when `resources.num_actors` is set and the cluster's CPUs
-hold that many actors per point more than once, else one after another. Rerunning a sweep
+starts. Points that ask for Ray (`resources.num_actors`, `ray.address`, faults) run as Ray
+Tune trials, on the local Ray or the cluster of `ray.address`: several at once when
+`resources.num_actors` is set and the cluster's CPUs hold that many actors per point more
+than once, else one after another. Otherwise the points run one after another in the
+sweep's own process, each as `python -m raysim.run` runs it (a small one with no Ray at all). Rerunning a sweep
 skips the points that finished; a point that was interrupted resumes from its checkpoint
 (or starts again if it wrote none). `--skip-listed CSV` leaves out the points a CSV lists by
 its grid-axis columns: a results table's runs.csv, the runs another machine made and
@@ -334,6 +336,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
     plan made before the tuning stage, whose points lack their tuned values still, and for a
     finished cell whose tuned values are not known (its tuning runs gone)."""
     from raysim.config import read_layers, resolve
+    from raysim.config.layers import asks_for_ray
 
     points = []
     unchecked = list(per_cell)  # a `cells` entry whose points are all skipped is checked too, on one of them
@@ -369,6 +372,7 @@ def plan(files, fixed, grid, sweep_dir: Path, skip: list[dict] = (), extra=None,
             raise ConfigError(f"two grid points share the folder name {name!r}: give the variants different values")
         points.append({"name": name, "overrides": overrides, "state": state, "run_dir": str(run_dir),
                        "actors": cfg.resources.num_actors, "cpus": cfg.resources.num_cpus_per_actor,
+                       "needs_ray": asks_for_ray(cfg.resources, cfg.faults, cfg.ray),
                        "values": {k: value_label(k, v) for k, v in values.items()}})
     return points
 
@@ -431,7 +435,7 @@ def check_same_point(run_dir: Path, cfg, name: str, state: str) -> None:
                           "--output-dir, or remove that folder")
 
 
-def run_point(point: dict, files: list, cwd: str) -> dict:
+def run_point(point: dict, files: list, cwd: str, servers=None) -> dict:
     """One Tune trial: the point's run, as `python -m raysim.run` would do it, resumed from
     its checkpoint when an earlier attempt left one."""
     from raysim.launch import check, launch
@@ -447,11 +451,12 @@ def run_point(point: dict, files: list, cwd: str) -> dict:
         else:
             shutil.rmtree(run_dir)  # nothing to resume: start the point again
     layers, cfg = check(files, overrides)
-    summary = launch(layers, cfg, time.time(), progress=False, server_name=f"raysim-server.{point['name']}")
+    summary = launch(layers, cfg, time.time(), progress=False, server_name=f"raysim-server.{point['name']}",
+                     servers=servers)
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
 
 
-def point_result(point: dict, files: list, cwd: str) -> dict:
+def point_result(point: dict, files: list, cwd: str, servers=None) -> dict:
     """What a trial reports: the point's summary, or, for bad input the server finds (a
     partition that leaves a client empty), a diverged run or a failure in an algorithm's
     code, `raysim_error` (said in one line by `sweep`): raised, it would have Tune print its
@@ -459,7 +464,7 @@ def point_result(point: dict, files: list, cwd: str) -> dict:
     from raysim.launch import RunFailed, ServerDied
 
     try:
-        return run_point(point, files, cwd)
+        return run_point(point, files, cwd, servers)
     except NothingToDo:  # the point finished since the sweep was planned: its summary is the result
         summary = json.loads((Path(point["run_dir"]) / "summary.json").read_text())
         return {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}
@@ -593,8 +598,85 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
 
 
 def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say, done=None) -> Path:
-    """Run the points not done, on Ray Tune (the sweep's folder is locked meanwhile).
+    """Run the points not done (the sweep's folder is locked meanwhile): one after another in
+    this process when none asks for Ray (`run_here`), else on Ray Tune (`run_on_tune`).
     `done(point)`: whether a point counts as done afterwards (default: it wrote a summary)."""
+    if all(p["needs_ray"] is None for p in todo):
+        ended = run_here(todo, files, say)
+    else:
+        ended = run_on_tune(todo, files, say, sweep_dir)
+    failed = [(p, why) for p, why in ended if why is not None]
+    diverged = [(p, why) for p, why in failed if _diverged(Path(p["run_dir"]))]
+    for p, _ in diverged:  # a run that diverged ended: its summary is its result (a tuning point's: never chosen)
+        say(f"point {p['name']} diverged: kept as its result")
+    failed = [f for f in failed if f not in diverged]
+    for p, why in failed:
+        say(f"point {p['name']} failed: {why.splitlines()[0][:300]}")
+    done = sum(done(p) if done else (Path(p["run_dir"]) / "summary.json").is_file() for p in points)
+    if failed:
+        raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")
+    if done < len(points):  # stopped (Ctrl-C, SIGTERM) before every point ran
+        raise SweepInterrupted(f"sweep interrupted: {done} of {len(points)} points done; rerun the same command "
+                               "to finish (finished points are kept, unfinished ones resume from their checkpoint)")
+    return sweep_dir
+
+
+def run_here(todo: list, files: list, say) -> list:
+    """The points one after another in this process, each as `python -m raysim.run` runs it
+    (raysim/launch.py): a point whose clients train in under `resources.ray_start_s` trains
+    them here, with no Ray (runtime/here.py), a longer one starts a local Ray for its client
+    actors, which the later points reuse (runtime/pool.py). Taken when no point asks for Ray
+    (`config.layers.asks_for_ray`: no `ray.address`, `resources.num_actors`, faults, dashboard),
+    when Tune would run them one at a time too (`concurrency`): a small sweep then costs its
+    points' seconds, not Ray's, Tune's and each trial's processes' start-up (a 3-point sweep
+    of 2-round digits runs: 47 s on Tune, ~6 s here, on 2 cores). Same bits either way.
+    Ctrl-C or SIGTERM stop the point in hand at its last checkpoint (`launch.Interrupted`),
+    as a run's; returns [(point, why it failed or None)] of the points that ran."""
+    import signal
+    import threading
+
+    from raysim.config import load_config
+    from raysim.launch import HereServers, Interrupted
+    from raysim.runtime.ray_session import start_ray
+
+    def ray_running() -> bool:
+        return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+    def start_later(point):  # a point's server asks for Ray after its data, when Ray would pay (runtime/here.py)
+        def start(info, say) -> None:
+            nonlocal started
+            start_ray(load_config(files, point["overrides"]).ray, say, command=True)
+            started = True
+        return start
+
+    say(f"running {len(todo)} point(s) one after another in this process (no point asks for Ray: each trains "
+        "its clients here, or on a local Ray when that pays)")
+    main_thread = threading.current_thread() is threading.main_thread()
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    started, ended = False, []
+    try:
+        for p in todo:  # the server in this process, as the command's; on a caller's Ray, the session's
+            servers = (HereServers() if started else None if ray_running()  # (launch.SessionServers, kept ones)
+                       else HereServers(start_ray=start_later(p)))
+            ended.append((p, point_result(p, files, os.getcwd(), servers=servers).get("raysim_error")))
+    except (KeyboardInterrupt, Interrupted):
+        pass  # the point in hand kept its last checkpoint; `_run` counts what is done
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, term)
+        if started:  # the caller finds its process as it was
+            import ray
+
+            from raysim.runtime import pool
+
+            ray.shutdown()
+            pool.forget()
+    return ended
+
+
+def run_on_tune(todo: list, files: list, say, sweep_dir: Path) -> list:
+    """The points as Ray Tune trials, on the local Ray or the cluster of `ray.address`,
+    `concurrency` at a time; returns [(point, why it failed or None)]."""
     from ray import tune
 
     from raysim.config import load_config
@@ -622,21 +704,8 @@ def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, sa
         run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir / ".tune"), verbose=0),
     )
     results = tuner.fit()  # Tune catches Ctrl-C itself: it stops the trials and returns
-    failed = [r for r in results if r.error is not None or (r.metrics or {}).get("raysim_error")]
-    diverged = [r for r in failed if _diverged(Path(r.config["point"]["run_dir"]))]
-    for r in diverged:  # a run that diverged ended: its summary is its result (a tuning point's: never chosen)
-        say(f"point {r.config['point']['name']} diverged: kept as its result")
-    failed = [r for r in failed if r not in diverged]
-    for r in failed:
-        why = (r.metrics or {}).get("raysim_error") or str(r.error).splitlines()[-1]
-        say(f"point {r.config['point']['name']} failed: {why.splitlines()[0][:300]}")
-    done = sum(done(p) if done else (Path(p["run_dir"]) / "summary.json").is_file() for p in points)
-    if failed:
-        raise ConfigError(f"{len(failed)} of {len(todo)} points failed (above); rerun the sweep to retry them")
-    if done < len(points):  # stopped (Ctrl-C, SIGTERM) before every point ran
-        raise SweepInterrupted(f"sweep interrupted: {done} of {len(points)} points done; rerun the same command "
-                               "to finish (finished points are kept, unfinished ones resume from their checkpoint)")
-    return sweep_dir
+    return [(r.config["point"], (r.metrics or {}).get("raysim_error")
+             or (str(r.error).splitlines()[-1] if r.error is not None else None)) for r in results]
 
 
 def _diverged(run_dir: Path) -> bool:

@@ -72,8 +72,7 @@ def test_the_choice_follows_validation_where_the_test_set_would_choose_otherwise
 
     mnist_whose_test_labels_disagree(tmp_path / "data")
     fixed = {"dataset": "mnist", "data_dir": str(tmp_path / "data"), "download": False, "model": "mclr",
-             "rounds": 3, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
-             "resources": {"num_actors": 1}}
+             "rounds": 3, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1}}
     (tmp_path / "s.yaml").write_text(json.dumps({
         "name": "t", "fixed": fixed, "grid": {"seed": [0], "algorithm": ["fedavg"]},
         "tune": {"seed": 0, "validation": 0.25, "last": 2, "judge": "global", "grid": {"local.lr": [0.00001, 0.1]}}}))
@@ -205,6 +204,7 @@ def test_cells_set_a_key_for_the_named_cells_only_the_command_line_wins_and_a_wr
 
 
 def test_a_tuning_point_that_diverges_is_a_result_never_chosen_and_the_sweep_goes_on(ray_local, tmp_path):
+    """On Ray Tune (a number of actors): a trial's diverged run comes back as its result's error."""
     from raysim.sweep import main as sweep
 
     (tmp_path / "s.yaml").write_text(json.dumps({
@@ -224,8 +224,7 @@ def test_a_sweep_resumed_for_a_new_cell_checks_a_finished_cell_with_its_tuned_va
     from raysim.sweep import main as sweep
 
     (tmp_path / "s.yaml").write_text(json.dumps({
-        "name": "r", "fixed": {"rounds": 1, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
-                               "resources": {"num_actors": 1}},
+        "name": "r", "fixed": {"rounds": 1, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1}},
         "grid": {"seed": [0], "algorithm": ["fedavg", "fedprox"]},
         "tune": {"grid": {"local.lr": [0.2, 0.5]}, "last": 1, "judge": "global"}}))
     args = ["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]
@@ -297,8 +296,7 @@ def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local,
     from raysim.sweep import main as sweep
 
     (tmp_path / "s.yaml").write_text(json.dumps({
-        "name": "e", "fixed": {"rounds": 2, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1},
-                               "resources": {"num_actors": 1}},
+        "name": "e", "fixed": {"rounds": 2, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1}},
         "grid": {"seed": [0], "algorithm": ["fedavg"]},
         "tune": {"grid": {"local.lr": [0.0001, 0.001]}, "last": 1, "judge": "global", "extend": 1}}))
     assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
