@@ -127,6 +127,12 @@ def test_a_sweep_interrupted_in_its_second_point_keeps_the_first_and_resumes_the
     assert (first / "summary.json").stat().st_mtime_ns == stamp  # the finished point was not run again
     if stopped:
         assert "checkpoint of round" in (second / "log.txt").read_text()  # resumed, not started again
+    from raysim.run import main as run  # the first point alone, as a command: the same model either way
+
+    assert run(["rounds=2", "algorithm=fedavg", "model=mclr", "num_clients=6", f"output_dir={tmp_path}",
+                "run_name=alone", "--quiet"]) == 0
+    alone = json.loads((tmp_path / "alone" / "summary.json").read_text())
+    assert alone["model_sha256"] == json.loads((first / "summary.json").read_text())["model_sha256"]
     assert json.loads((second / "summary.json").read_text())["rounds"] == 100
     assert table([str(tmp_path / "s"), "--rows", "rounds", "--cols", "algorithm", "--format", "csv",
                   "--out", str(tmp_path / "t.csv")]) == 0
