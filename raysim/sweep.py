@@ -436,8 +436,8 @@ def check_same_point(run_dir: Path, cfg, name: str, state: str) -> None:
 
 
 def run_point(point: dict, files: list, cwd: str, servers=None) -> dict:
-    """One Tune trial: the point's run, as `python -m raysim.run` would do it, resumed from
-    its checkpoint when an earlier attempt left one."""
+    """One point's run (a Tune trial's, or one of `run_here`'s on `servers`), as `python -m
+    raysim.run` would do it, resumed from its checkpoint when an earlier attempt left one."""
     from raysim.launch import check, launch
 
     os.chdir(cwd)  # Tune starts trials in their own folder; the sweep's paths are the caller's
