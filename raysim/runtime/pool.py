@@ -15,9 +15,11 @@ imported code, so a server is reused only while raysim's sources and the run's p
 modules are unchanged on disk (`code_stamp`); edits to other modules a plugin imports need
 `raysim.shutdown()` or `ray.reuse_workers=false`. A run that fails does not leave its
 processes. The CLI's Ray stops when the command ends, so there this changes nothing. A
-sweep releases its caller's before its points start (its points run in Tune's processes,
-which cannot take them over, and would wait for their CPUs); Tune then runs each point in a
-finished point's process (`reuse_actors`), which kept that point's.
+sweep whose points ask for no Ray runs them in its own process (`sweep.run_here`), each
+point taking what the last one kept. One on Tune releases its caller's before its points
+start (its points run in Tune's processes, which cannot take them over, and would wait for
+their CPUs); Tune then runs each point in a finished point's process (`reuse_actors`),
+which kept that point's.
 """
 from __future__ import annotations
 
