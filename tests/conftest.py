@@ -17,6 +17,20 @@ os.environ["RAYSIM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), 
 os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT, BENCHMARKS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): the whole suite on two worker processes, each test
+    module whole on one of them (`--dist loadfile`), where the machine has two CPUs or more:
+    on 2 cores 1,802 s against ~2,150 s in one process (benchmarks/results-suite-time-cpu-2core.txt;
+    the tests are mostly CPU-bound, so more workers than two were not measured). A chosen
+    file or test runs in this process (0): no workers to start, and a debugger works.
+    PYTEST_XDIST_AUTO_NUM_WORKERS sets the number."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    tests = Path(__file__).resolve().parent
+    chosen = [a for a in config.args if Path(a.split("::")[0]).resolve() not in (tests, tests.parent)]
+    return 0 if chosen else min(2, os.cpu_count() or 1)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
