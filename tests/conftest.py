@@ -28,7 +28,8 @@ def pytest_xdist_auto_num_workers(config):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     tests = Path(__file__).resolve().parent
     chosen = [a for a in config.args if Path(a.split("::")[0]).resolve() not in (tests, tests.parent)]
-    return 0 if chosen else min(2, os.cpu_count() or 1)
+    workers = min(2, os.cpu_count() or 1)
+    return 0 if chosen or workers < 2 else workers  # one worker would only add its start
 
 
 def pytest_sessionfinish(session, exitstatus):
