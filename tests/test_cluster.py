@@ -76,19 +76,28 @@ def two_nodes_all_actors_on_the_worker():
 def _two_nodes(worker_env: dict, more: list = (), head_more: list = ()):
     marker = secrets.token_hex(8)
     temp = tempfile.mkdtemp(prefix="rs2n", dir="/tmp")  # short: Ray's socket paths live under it
+    # Ray's processes wait 5 s for the GCS by default; on 2 cores beside the other test worker
+    # it once took longer (CI, stop 94), so they wait a minute here.
     env = dict(os.environ, RAYSIM_TEST_CLUSTER=marker, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-               RAY_metrics_report_interval_ms="1000")
+               RAY_metrics_report_interval_ms="1000", RAY_gcs_rpc_server_connect_timeout_s="60")
     env.pop("RAY_ADDRESS", None)
-    gcs, client, m_head, m_worker, a_head, a_worker = _free_ports(6)
     start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=2", "--disable-usage-stats", *more]
     try:
-        subprocess.run([*start, "--head", f"--port={gcs}", "--include-dashboard=false", f"--temp-dir={temp}",
-                        f"--ray-client-server-port={client}", '--resources={"head_node": 1}',
-                        f"--metrics-export-port={m_head}", f"--dashboard-agent-listen-port={a_head}", *head_more],
-                       env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([*start, f"--address=127.0.0.1:{gcs}", '--resources={"worker_node": 1}',
-                        f"--metrics-export-port={m_worker}", f"--dashboard-agent-listen-port={a_worker}"],
-                       env={**env, **worker_env}, check=True, capture_output=True, timeout=120)
+        for attempt in range(3):  # a port found free may be taken before Ray binds it: fresh ports
+            gcs, client, m_head, m_worker, a_head, a_worker = _free_ports(6)
+            try:
+                subprocess.run([*start, "--head", f"--port={gcs}", "--include-dashboard=false", f"--temp-dir={temp}",
+                                f"--ray-client-server-port={client}", '--resources={"head_node": 1}',
+                                f"--metrics-export-port={m_head}", f"--dashboard-agent-listen-port={a_head}",
+                                *head_more], env=env, check=True, capture_output=True, timeout=120)
+                subprocess.run([*start, f"--address=127.0.0.1:{gcs}", '--resources={"worker_node": 1}',
+                                f"--metrics-export-port={m_worker}", f"--dashboard-agent-listen-port={a_worker}"],
+                               env={**env, **worker_env}, check=True, capture_output=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                _kill_marked(marker)
+                if attempt == 2:
+                    raise
         yield {"address": f"127.0.0.1:{gcs}", "env": env, "metrics_ports": [m_head, m_worker]}
     finally:
         _kill_marked(marker)
