@@ -21,7 +21,8 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): the whole suite on two worker processes, each test
     module whole on one of them (`--dist loadfile`), where the machine has two CPUs or more:
     on 2 cores 1,802 s against ~2,170 s in one process (benchmarks/results-suite-time-cpu-2core.txt;
-    the tests are mostly CPU-bound, so more workers than two were not measured). A chosen
+    three workers measured no faster, 1,377 s against 1,341 s: the tests slow each other and torch's
+    thread pools spin on busy cores). A chosen
     file or test runs in this process (0): no workers to start, and a debugger works.
     PYTEST_XDIST_AUTO_NUM_WORKERS sets the number."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
