@@ -321,7 +321,7 @@ def write_doc(sweep_file: Path, out: Path, runs_dir: Path | None = None, command
              "`python -m raysim.run --config <that file> seed=0` runs one cell's seed 0, and its summary.json's "
              f"`model_sha256` can be checked against its row of [{rel}/runs.csv]({rel}/runs.csv) (the same "
              "bits on the same torch build and processor). Runs made on: " + "; ".join(
-                 f"{where} ({n} runs, {secs / 3600:.1f} h of run time)"
+                 f"{where} ({n} run{'s' if n != 1 else ''}, {secs / 3600:.1f} h of run time)"
                  for where, (n, secs) in sorted(made_on.items(), key=lambda kv: -kv[1][0])) + ". "
              + _cost(side / "tuning.csv", {(p["setting"], p["algorithm"]) for p in plan["points"]},
                      sum(secs for _, secs in made_on.values())), ""]
