@@ -495,6 +495,7 @@ def test_the_header_states_the_regeneration_cost_of_tuning_and_table_runs(tmp_pa
     write_doc(f, tmp_path / "results.md", tmp_path / "runs")
     doc = (tmp_path / "results.md").read_text()
     assert "the tuning's 2 runs took 2.5 h of run time, the table's runs 0.5 h: 3.0 h in all" in doc
+    assert "Runs made on: not recorded (1 run, 0.5 h of run time)" in doc  # one run, not "1 runs"
     # the same cell scored again from a recorded file (no time of its own): the recorded times stay
     merge_tuned(tmp_path / "results" / "tuning.csv",
                 [{"setting": "digits", "algorithm": "fedavg", "point": p, "score": s, "chosen": c}
