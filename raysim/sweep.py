@@ -28,7 +28,9 @@ starts. Points that ask for Ray (`resources.num_actors`, `ray.address`, faults) 
 Tune trials, on the local Ray or the cluster of `ray.address`: several at once when
 `resources.num_actors` is set and the cluster's CPUs hold that many actors per point more
 than once, else one after another. Otherwise the points run one after another in the
-sweep's own process, each as `python -m raysim.run` runs it (a small one with no Ray at all). Rerunning a sweep
+sweep's own process, each as `python -m raysim.run` runs it (a small one with no Ray at all);
+with `--processes N` (or `processes: N` in the sweep file; auto: one per CPU) N at a time in
+processes of this machine, each point's clients in its own process (raysim/sweep_pool.py). Rerunning a sweep
 skips the points that finished; a point that was interrupted resumes from its checkpoint
 (or starts again if it wrote none). `--skip-listed CSV` leaves out the points a CSV lists by
 its grid-axis columns: a results table's runs.csv, the runs another machine made and
@@ -77,10 +79,10 @@ def parse(args_overrides: list[str], file: Path | None) -> tuple[str | None, lis
         if spec is not None and not isinstance(spec, dict):
             raise ConfigError(f"sweep file {file} must hold a mapping (name, config, fixed, grid), not "
                               f"{type(spec).__name__}")
-        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "only", "cells", "tune"}
+        unknown = set(spec or {}) - {"name", "config", "fixed", "grid", "skip", "only", "cells", "tune", "processes"}
         if unknown:
             raise ConfigError(f"sweep file {file}: unknown key(s) {', '.join(sorted(unknown))}; allowed: name, config, "
-                              f"fixed, grid, skip, only, cells, tune")
+                              f"fixed, grid, skip, only, cells, tune, processes")
         spec = spec or {}
         name = spec.get("name")
         files = spec.get("config") or []
@@ -289,6 +291,19 @@ def read_tune(file: Path | None, grid: dict):
     return tuning
 
 
+def read_processes(file: Path | None) -> int:
+    """The sweep file's `processes` (sweep_pool.py): 1 when it has none."""
+    from raysim.sweep_pool import processes_wanted
+
+    if file is None:
+        return 1
+    from raysim.config import find_config, load_yaml, read_text_file
+
+    path = find_config(str(file))
+    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    return processes_wanted(spec.get("processes"), f"sweep file {file}: processes")
+
+
 def read_listed(path: Path, grid: dict) -> list[dict]:
     """`--skip-listed FILE`: a CSV whose columns include grid axes (a results table's
     runs.csv); each row names a point not to run here (done on another machine, its result
@@ -445,8 +460,9 @@ def run_point(point: dict, files: list, cwd: str, servers=None) -> dict:
     overrides = point["overrides"]
     if run_dir.exists():
         if (run_dir / "checkpoint.pt").is_file():
-            # where it runs may change (config/record.py's RESUMABLE_KEYS): the sweep's server threads
-            overrides = [f"resume={run_dir}", *(o for o in overrides if o.startswith("resources.server_threads="))]
+            # where it runs may change (config/record.py's RESUMABLE_KEYS): the sweep's resources (its
+            # server threads; sweep_pool's no-Ray start)
+            overrides = [f"resume={run_dir}", *(o for o in overrides if o.startswith("resources."))]
             files = []
         else:
             shutil.rmtree(run_dir)  # nothing to resume: start the point again
@@ -500,10 +516,11 @@ def server_threads(points: list[dict], at_once: int) -> int:
 
 
 def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say=print, skip: list = (),
-          tuning=None, tuned: dict | None = None, per_cell: list = ()) -> Path:
+          tuning=None, tuned: dict | None = None, per_cell: list = (), processes: int = 1) -> Path:
     """Run the sweep's points not done; with a `tune:` section (`tuning`), first the tuning
     points of every cell that still has a point to run, then those points with each cell's
-    chosen hyper-parameters (raysim/tuning.py). `tuned`: recorded tuning scores (--tuned)."""
+    chosen hyper-parameters (raysim/tuning.py). `tuned`: recorded tuning scores (--tuned).
+    `processes` > 1: the points in that many processes of this machine, no Ray (sweep_pool.py)."""
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's reporter then keeps to verbose=0 (no tables)
     from raysim.run_lock import RunLock, check_free
 
@@ -517,6 +534,10 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
     if not todo:
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points)} done, 0 to run")
         return sweep_dir
+    if processes > 1:  # the tuning points are the same configs with other hyper-parameters
+        from raysim.sweep_pool import check as check_processes
+
+        check_processes(todo, processes)
     cell_of = lambda v: (v.get("setting", ""), v["algorithm"])  # noqa: E731
     if tuning is not None:  # the tuning points' configs checked too before the folder is made
         plan_tuning(files, fixed, grid, sweep_dir, tuning, {cell_of(p["values"]) for p in todo}, skip, per_cell)
@@ -525,7 +546,8 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
         if tuning is not None:
             cells = {cell_of(p["values"]) for p in todo}
             finished = {cell_of(p["values"]) for p in points} - cells
-            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished, per_cell)
+            chosen = _tune(files, fixed, grid, sweep_dir, tuning, cells, tuned or {}, say, skip, finished, per_cell,
+                           processes)
             labelled = lambda v: cell_of({k: value_label(k, x) for k, x in v.items()})  # noqa: E731
             # a finished cell's points are checked with its tuned values (its choice read back from its
             # tuning runs), not with the defaults; one whose tuning runs are gone is not checked
@@ -533,11 +555,11 @@ def sweep(files: list, fixed: list, grid: dict, name: str, output_dir: Path, say
                           check=lambda v: labelled(v) in chosen, per_cell=per_cell)
             todo = [p for p in points if p["state"] != "done"]
         say(f"sweep {sweep_dir}: {len(points)} points, {len(points) - len(todo)} done, {len(todo)} to run")
-        return _run(points, todo, files, fixed, sweep_dir, say)
+        return _run(points, todo, files, fixed, sweep_dir, say, processes=processes)
 
 
 def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, say, skip: list = (),
-          finished: set = frozenset(), per_cell: list = ()) -> dict:
+          finished: set = frozenset(), per_cell: list = (), processes: int = 1) -> dict:
     """The tuning stage: run the tuning points of `cells` not done nor recorded, score every one,
     write <sweep>/tuning.csv; returns {cell: the chosen point's overrides}, the `finished` cells'
     (every point run) too where their tuning runs are all there, read back, nothing run."""
@@ -555,7 +577,7 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
             f"{sum(p['cell'] in cells for p in tpoints)} points for {len(cells)} cell(s) on seed {tuning.seed}, "
             f"{len(todo)} to run")
         if todo:
-            _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say, done=there)
+            _run(tpoints, todo, files, fixed, sweep_dir / "tuning", say, done=there, processes=processes)
         if step == tuning.extend:
             break
         grew = False
@@ -597,11 +619,17 @@ def _tune(files, fixed, grid, sweep_dir: Path, tuning, cells: set, tuned: dict, 
     return chosen
 
 
-def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say, done=None) -> Path:
-    """Run the points not done (the sweep's folder is locked meanwhile): one after another in
-    this process when none asks for Ray (`run_here`), else on Ray Tune (`run_on_tune`).
+def _run(points: list, todo: list, files: list, fixed: list, sweep_dir: Path, say, done=None,
+         processes: int = 1) -> Path:
+    """Run the points not done (the sweep's folder is locked meanwhile): in `processes`
+    processes when more than one (sweep_pool.py), one after another in this process when
+    none asks for Ray (`run_here`), else on Ray Tune (`run_on_tune`).
     `done(point)`: whether a point counts as done afterwards (default: it wrote a summary)."""
-    if all(p["needs_ray"] is None for p in todo):
+    if processes > 1:
+        from raysim.sweep_pool import run_in_processes
+
+        ended = run_in_processes(todo, files, say, processes)
+    elif all(p["needs_ray"] is None for p in todo):
         ended = run_here(todo, files, say)
     else:
         ended = run_on_tune(todo, files, say, sweep_dir)
@@ -737,6 +765,9 @@ def main(argv=None) -> int:
                    help="a tuning.csv of tuning runs made elsewhere: its rows count as finished tuning points")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="the folder the sweep's folder goes in (default runs/sweeps; output_dir=DIR says the same)")
+    p.add_argument("--processes", metavar="N",
+                   help="run the points N at a time in processes of this machine, each point's clients in its own "
+                        "process with no Ray (auto: one per CPU; default: the sweep file's `processes`, else 1)")
     p.add_argument("--record-tuning", type=Path, metavar="CSV",
                    help="run nothing: write the tuning runs finished so far as a tuning.csv at CSV (for --tuned "
                         "on another machine)")
@@ -764,6 +795,10 @@ def main(argv=None) -> int:
             print(f"{args.skip_listed}: {len(listed)} row(s), {hit} of the grid's points listed: left out")
             skip += listed
         tuning = read_tune(args.file, grid)
+        from raysim.sweep_pool import processes_wanted
+
+        processes = (processes_wanted(args.processes, "--processes") if args.processes is not None
+                     else read_processes(args.file))
         if args.record_tuning is not None:
             if tuning is None:
                 raise ConfigError("--record-tuning needs a sweep file with a tune section (--file)")
@@ -779,7 +814,7 @@ def main(argv=None) -> int:
             tuned = read_tuned(args.tuned)
         given = [k for k, v in (o.split("=", 1) for o in args.overrides) if k not in grid and len(split_values(v)) == 1]
         sweep_dir = sweep([*files, *args.config], fixed, grid, name, args.output_dir, skip=skip, tuning=tuning,
-                          tuned=tuned, per_cell=read_cells(args.file, grid, given))
+                          tuned=tuned, per_cell=read_cells(args.file, grid, given), processes=processes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -298,7 +298,8 @@ def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local,
     (tmp_path / "s.yaml").write_text(json.dumps({
         "name": "e", "fixed": {"rounds": 2, "num_clients": 4, "participation": 1.0, "local": {"epochs": 1}},
         "grid": {"seed": [0], "algorithm": ["fedavg"]},
-        "tune": {"grid": {"local.lr": [0.0001, 0.001]}, "last": 1, "judge": "global", "extend": 1}}))
+        "tune": {"grid": {"local.lr": [0.0001, 0.001]}, "last": 1, "judge": "global", "extend": 1},
+        "processes": 2}))  # every stage in two processes (sweep_pool.py), as the results table's sweep
     assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
     rows = {r["point"]: r for r in csv.DictReader((tmp_path / "out" / "e" / "tuning.csv").open())}
     # two rounds at lr 1e-4 or 1e-3 barely move a model: the top wins and lr 0.01 is run past it, and wins

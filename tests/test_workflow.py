@@ -88,13 +88,16 @@ def test_plots_are_valid_png_and_svg_with_one_line_per_algorithm(four_runs, tmp_
 SWEEP = ["seed=0,1", "algorithm=fedavg", "model=mclr", "rounds=2", "num_clients=6"]
 
 
-@pytest.mark.parametrize("where, extra", [("in its own process", []), ("on Ray Tune", ["resources.num_actors=1"])])
+@pytest.mark.parametrize("where, extra", [("one after another in this process", []),
+                                          ("on Ray Tune", ["resources.num_actors=1"]),
+                                          ("in 2 processes of this machine", ["--processes", "2"])])
 def test_a_sweep_interrupted_in_its_second_point_keeps_the_first_and_resumes_the_second(tmp_path, where, extra):
     """A 2-point sweep in its own process, Ctrl-C once the second point wrote a checkpoint:
     exit 130 with the points done and how to finish; the rerun leaves the first alone, resumes
     the second from its checkpoint, and the table's cells are the runs' summaries. Its points
     run one after another in the sweep's process when none asks for Ray (sweep.run_here), as
-    Tune trials when they do (a number of actors)."""
+    Tune trials when they do (a number of actors), at once in spawned processes with
+    --processes 2 (sweep_pool.py: the signal reaches the point in hand there)."""
     import json
     import signal
     import subprocess
@@ -115,9 +118,9 @@ def test_a_sweep_interrupted_in_its_second_point_keeps_the_first_and_resumes_the
     assert (first / "summary.json").exists() and (second / "checkpoint.pt").exists(), p.communicate()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert f"running 2 point(s) {'on Ray Tune' if extra else 'one after another in this process'}" in out
+    assert f"running 2 point(s) {where}" in out
     # Tune stops a trial some seconds after Ctrl-C (~10 s seen): its short point may finish first
-    stopped = not extra or not (second / "summary.json").exists()
+    stopped = where != "on Ray Tune" or not (second / "summary.json").exists()
     if stopped:
         assert p.returncode == 130, err[-2000:]
         assert "sweep interrupted: 1 of 2 points done; rerun the same command to finish" in err
@@ -156,6 +159,27 @@ def test_a_sweep_with_a_bad_key_fails_before_any_point_runs(tmp_path, capfd):
     assert sweep(["seed=0,1", "algorithm=fedavg,fedfoo", "--output-dir", str(tmp_path), "--name", "bad"]) == 2
     assert "algorithm='fedfoo' is not a known algorithm" in capfd.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_points_run_in_processes_must_not_ask_for_ray_and_a_bad_count_is_named(tmp_path, capfd):
+    """--processes N trains each point's clients in its own process (sweep_pool.py): a point
+    that asks for client actors is refused before anything runs, as is a count that is not
+    one, from the command line or the sweep file; each in one line naming where it came from."""
+    from raysim.sweep import main as sweep
+
+    out = ["--output-dir", str(tmp_path), "--name", "p"]
+    assert sweep([*SWEEP, "resources.num_actors=1", "--processes", "2", *out]) == 2
+    err = capfd.readouterr().err
+    assert "--processes 2 runs each point's clients in the point's own process, with no Ray; point seed=0 asks " \
+           "for Ray (resources.num_actors / clients_per_actor ask for client actors)" in err and err.count("\n") == 1
+    assert sweep([*SWEEP, "--processes", "two", *out]) == 2
+    assert capfd.readouterr().err == "error: --processes: 'two' is not a number of processes (an integer >= 1, or auto)\n"
+    f = tmp_path / "s.yaml"
+    f.write_text("grid: {seed: [0, 1]}\nprocesses: 0\n")
+    assert sweep(["--file", str(f), *out]) == 2
+    assert capfd.readouterr().err == (f"error: sweep file {f}: processes: 0 is not a number of processes (an integer "
+                                      ">= 1, or auto)\n")
+    assert not (tmp_path / "p").exists()
 
 
 def test_sweep_values_split_on_top_level_commas_and_a_file_says_the_same(tmp_path):
