@@ -116,7 +116,11 @@ def run_in_processes(todo: list, files: list, say, processes: int) -> list:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for f in finished:
                     p = running.pop(f)
-                    result = f.result()
+                    try:
+                        result = f.result()
+                    except Exception as e:  # noqa: BLE001  (a worker killed, the OOM killer's: every point in hand
+                        # fails with BrokenProcessPool; each is a failed point, resumed by the next sweep command)
+                        result = {"raysim_error": f"{type(e).__name__}: {e}"}
                     if result is not None:
                         ended.append((p, result.get("raysim_error")))
         except KeyboardInterrupt:  # Ctrl-C (the workers had it too) or a SIGTERM to this process alone
@@ -129,10 +133,8 @@ def run_in_processes(todo: list, files: list, say, processes: int) -> list:
                 except ProcessLookupError:
                     pass
             for f in running:
-                if not f.cancelled():
-                    result = f.result()
-                    if result is not None:
-                        ended.append((running[f], result.get("raysim_error")))
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    ended.append((running[f], f.result().get("raysim_error")))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for s, handler in before.items():

@@ -161,6 +161,40 @@ def test_a_sweep_with_a_bad_key_fails_before_any_point_runs(tmp_path, capfd):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_sweep_whose_worker_process_is_killed_fails_its_points_and_the_rerun_resumes_them(tmp_path):
+    """--processes 2 (sweep_pool.py) with a worker killed mid-point, as the OOM killer would:
+    the sweep ends (exit 2), naming each point it lost and how to retry; the rerun resumes both
+    from their checkpoints and finishes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    args = [sys.executable, "-m", "raysim.sweep", "seed=0,1", "rounds=200", "model=mclr", "num_clients=6",
+            "checkpoint_every=5", "--processes", "2", "--output-dir", str(tmp_path), "--name", "k"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    points = [tmp_path / "k" / f"seed={s}" for s in (0, 1)]
+    deadline = time.time() + 240
+    while not all((d / "checkpoint.pt").exists() for d in points) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    workers = [c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 2 and all((d / "checkpoint.pt").exists() for d in points), p.communicate()
+    workers[0].send_signal(signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err[-2000:]
+    assert out.count("failed: BrokenProcessPool") == 2 and "point seed=0 failed" in out, out[-2000:]
+    assert "of 2 points failed (above); rerun the sweep to retry them" in err
+    assert not any((d / "summary.json").exists() for d in points)
+    r = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 points, 0 done, 2 to run" in r.stdout
+    for d in points:
+        assert "checkpoint of round" in (d / "log.txt").read_text()  # resumed, not started again
+        assert json.loads((d / "summary.json").read_text())["rounds"] == 200
+
+
 def test_points_run_in_processes_must_not_ask_for_ray_and_a_bad_count_is_named(tmp_path, capfd):
     """--processes N trains each point's clients in its own process (sweep_pool.py): a point
     that asks for client actors is refused before anything runs, as is a count that is not
