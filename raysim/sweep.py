@@ -172,13 +172,18 @@ def _shown(key: str, value) -> str:
     return f"{key.split('.')[-1]}={value}"
 
 
-def _entries_reader(file: Path):
-    """The sweep file's mapping, its grid's value names per axis, and `check(section, axis,
-    values)`, which refuses an axis or a value the grid does not have (skip, only, cells)."""
+def _spec(file: Path) -> dict:
+    """The sweep file's mapping, read again (`parse` checked its shape) for one section."""
     from raysim.config import find_config, load_yaml, read_text_file
 
     path = find_config(str(file))
-    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    return load_yaml(read_text_file(path, "sweep file"), path) or {}
+
+
+def _entries_reader(file: Path):
+    """The sweep file's mapping, its grid's value names per axis, and `check(section, axis,
+    values)`, which refuses an axis or a value the grid does not have (skip, only, cells)."""
+    spec = _spec(file)
     axes = spec.get("grid") or {}
     names = {k: [str(x.get("label")) if isinstance(x, dict) else str(x) for x in v] for k, v in axes.items()}
 
@@ -270,11 +275,9 @@ def read_tune(file: Path | None, grid: dict):
     """The sweep file's `tune:` section (raysim/tuning.py), or None."""
     if file is None:
         return None
-    from raysim.config import find_config, load_yaml, read_text_file
     from raysim.tuning import read_tuning
 
-    path = find_config(str(file))
-    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
+    spec = _spec(file)
     if spec.get("tune") is None:
         return None
     if "algorithm" not in grid or "seed" not in grid:
@@ -297,11 +300,7 @@ def read_processes(file: Path | None) -> int:
 
     if file is None:
         return 1
-    from raysim.config import find_config, load_yaml, read_text_file
-
-    path = find_config(str(file))
-    spec = load_yaml(read_text_file(path, "sweep file"), path) or {}
-    return processes_wanted(spec.get("processes"), f"sweep file {file}: processes")
+    return processes_wanted(_spec(file).get("processes"), f"sweep file {file}: processes")
 
 
 def read_listed(path: Path, grid: dict) -> list[dict]:

@@ -10,7 +10,8 @@ as `python -m raysim.run` runs it on its own machine (runtime/here.py: the same
 worker processes that live for the whole sweep (torch imported once each).
 
 Each point's server gets `resources.server_threads` = CPUs / N unless the point sets it, and
-`resources.ray_start_s=1e9`: a point never starts a Ray of its own beside the others'. Points
+`resources.ray_start_s=1e9`, `resources.num_actors=null`: a point never starts a Ray of its own
+beside the others' (a point begun on Tune with a client actor resumes here with none). Points
 that need Ray for what they do (`config.layers.asks_for_ray`: a cluster, client actors asked
 for, faults that kill actors, Ray's dashboard) are refused before anything runs (`check`).
 Ctrl-C or SIGTERM: the points in hand stop at their last checkpoint, the others do not start.
@@ -48,9 +49,9 @@ def check(points: list[dict], processes: int) -> None:
     """Points run in processes must not need Ray: one line naming the first that does."""
     for p in points:
         if p["needs_ray"] is not None:
-            raise ConfigError(f"--processes {processes} runs each point's clients in the point's own process, with no "
-                              f"Ray; point {p['name']} asks for Ray ({p['needs_ray']}): drop that key from the "
-                              "sweep, or run with --processes 1 (Ray Tune)")
+            raise ConfigError(f"processes {processes} (--processes, or the sweep file's processes:) runs each point's "
+                              f"clients in the point's own process, with no Ray; point {p['name']} asks for Ray "
+                              f"({p['needs_ray']}): drop that key from the sweep, or run with --processes 1 (Ray Tune)")
 
 
 def _on_signal(signum, frame):
@@ -96,7 +97,9 @@ def run_in_processes(todo: list, files: list, say, processes: int) -> list:
     threads = max(1, (os.cpu_count() or 1) // n)
     for p in todo:
         keys = [o.split("=", 1)[0] for o in p["overrides"]]
-        p["overrides"] = [*p["overrides"], "resources.ray_start_s=1e9",
+        # no client actors, even for a point resumed from a run that had them (its recorded resources.*)
+        p["overrides"] = [*p["overrides"], "resources.ray_start_s=1e9", "resources.num_actors=null",
+                          "resources.clients_per_actor=auto",
                           *([] if "resources.server_threads" in keys else [f"resources.server_threads={threads}"])]
     say(f"running {len(todo)} point(s) in {n} process{'es' if n > 1 else ''} of this machine, each point's clients "
         f"in its own process (no Ray; {threads} server thread{'s' if threads > 1 else ''} each)")

@@ -292,7 +292,7 @@ def test_the_results_table_tunes_every_method_on_as_many_points():
     assert tuning.extend >= 1
 
 
-def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local, tmp_path):
+def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local, tmp_path, capsys):
     from raysim.sweep import main as sweep
 
     (tmp_path / "s.yaml").write_text(json.dumps({
@@ -301,6 +301,7 @@ def test_the_sweep_runs_the_point_past_the_edge_and_chooses_among_all(ray_local,
         "tune": {"grid": {"local.lr": [0.0001, 0.001]}, "last": 1, "judge": "global", "extend": 1},
         "processes": 2}))  # every stage in two processes (sweep_pool.py), as the results table's sweep
     assert sweep(["--file", str(tmp_path / "s.yaml"), "--output-dir", str(tmp_path / "out")]) == 0
+    assert "running 2 point(s) in 2 processes of this machine" in capsys.readouterr().out  # the tuning stage's too
     rows = {r["point"]: r for r in csv.DictReader((tmp_path / "out" / "e" / "tuning.csv").open())}
     # two rounds at lr 1e-4 or 1e-3 barely move a model: the top wins and lr 0.01 is run past it, and wins
     assert set(rows) == {"lr=0.0001", "lr=0.001", "lr=0.01"} and rows["lr=0.01"]["chosen"] == "1", rows
